@@ -229,8 +229,9 @@ async def health(request: Request) -> Response:
     for inst in st.registry:
         view.setdefault(inst.role, []).append({"url": inst.url, "healthy": inst.available(st.registry.now()),
                                                "model": inst.model})
-    ok = any(i["healthy"] for i in view["decode"]) and not st.draining
-    body = {"status": "ok" if ok else "unavailable", "mode": st.settings.mode, **view}
+    tok = {"loaded": st.tokens.loaded, "source": st.tokens.source, "error": st.tokens.load_error}
+    ok = any(i["healthy"] for i in view["decode"]) and st.tokens.loaded and not st.draining
+    body = {"status": "ok" if ok else "unavailable", "mode": st.settings.mode, "tokenizer": tok, **view}
     return Response(orjson.dumps(body), status_code=200 if ok else 503, media_type=JSON_TYPE)
 
 

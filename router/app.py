@@ -50,6 +50,7 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, registry
         checker = HealthChecker(reg, up, interval=settings.health_interval,
                                 on_model=lambda inst: tok.offer_source(inst.model_root or inst.model))
         app.state.pdr = st
+        tok.preload()
         if start_background:
             await asyncio.wait_for(checker.probe_all(), timeout=10) if len(reg) else None
             checker.start()

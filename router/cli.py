@@ -149,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
 def serve(settings: Settings) -> int:
     import uvicorn
 
+    from router.tokenizer import block_torch
+
+    block_torch()
     from router.app import create_app
     from router.logs import setup_logging
 

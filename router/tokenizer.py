@@ -13,6 +13,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import sys
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -44,11 +45,26 @@ class TokenCounter:
     def loaded(self) -> bool:
         return self._tok is not None
 
+    @property
+    def load_error(self) -> str | None:
+        return self._load_error
+
     def offer_source(self, source: str | None) -> None:
         """A backend reported where its model lives; use it if nothing was configured."""
         if source and self._source is None and self._tok is None:
             self._source = source
             self._load_error = None
+            self.preload()
+
+    def preload(self) -> None:
+        """Start loading in the background (call from a running loop); errors surface on first use."""
+        if self._tok is None and self._loading is None and self._source is not None:
+            self._loading = asyncio.get_running_loop().run_in_executor(self._pool, _load, self._source)
+            self._loading.add_done_callback(self._loaded)
+
+    def _loaded(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._tok = fut.result()
 
     async def ensure_loaded(self) -> None:
         if self._tok is not None:
@@ -56,8 +72,7 @@ class TokenCounter:
         if self._source is None:
             raise BadRequest("no tokenizer: pass --tokenizer or start a backend that reports its model path",
                              code="no_tokenizer")
-        if self._loading is None:
-            self._loading = asyncio.get_running_loop().run_in_executor(self._pool, _load, self._source)
+        self.preload()
         try:
             self._tok = await asyncio.shield(self._loading)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, retried on the next request
@@ -84,6 +99,15 @@ class TokenCounter:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def block_torch() -> None:
+    """The router never needs torch: make transformers see it as absent (fast import, small RSS).
+
+    Call before transformers is imported, in the router's own process only.
+    """
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` now raises ImportError; find_spec returns None
 
 
 def _load(source: str):
