@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import sys
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -110,7 +111,21 @@ def block_torch() -> None:
         sys.modules["torch"] = None  # `import torch` now raises ImportError; find_spec returns None
 
 
+_LOAD_LOCK = threading.Lock()
+_LOADED: dict[str, object] = {}
+
+
 def _load(source: str):
+    """Load (once per process and source) a fast tokenizer; serialised because a concurrent
+    first `import transformers` in two threads sees a half-initialised module."""
+    with _LOAD_LOCK:
+        tok = _LOADED.get(source)
+        if tok is None:
+            tok = _LOADED[source] = _load_uncached(source)
+        return tok
+
+
+def _load_uncached(source: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoTokenizer  # heavy import, done in a worker thread

@@ -162,12 +162,31 @@ async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes) -> tuple[S
         except BaseException:
             await stream.aclose()
             raise
-        if not first:
+        problem = check_first_event(first)
+        if problem:
             await stream.aclose()
-            raise UpstreamError("decode instance ended the stream without data", stage="decode", code="empty_stream")
+            raise UpstreamError(f"decode instance sent a bad stream: {problem}", stage="decode", code="bad_stream")
         return stream, first
     reply = await env.upstream.post(url, body, headers, timeout=s.request_timeout, stage="decode")
     return None, reply.body
+
+
+def check_first_event(first: bytes) -> str | None:
+    """Validate the first SSE event once per request (later events pass through unparsed)."""
+    if not first:
+        return "no data"
+    if not first.startswith(b"data: "):
+        return "not server-sent events"
+    end = first.find(b"\n\n")
+    event = first[6:end] if end >= 0 else None
+    if event is not None and event != b"[DONE]":
+        try:
+            doc = orjson.loads(event)
+        except orjson.JSONDecodeError:
+            return "first event is not JSON"
+        if not isinstance(doc, dict):
+            return "first event is not a JSON object"
+    return None
 
 
 async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes) -> dict:

@@ -1,0 +1,107 @@
+"""Pull mode wire protocol (PROTOCOLS.md section 2), pinned against strict fake engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.routerkit import LONG, SHORT, completion_legs, sse_events, topology
+
+SIX = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+       "remote_host": None, "remote_port": None}
+
+
+async def test_pull_legs_fields_and_request_id(tiny_model_path):
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        body = {"model": "tiny", "prompt": LONG, "max_tokens": 7, "stream": True, "min_tokens": 2,
+                "stream_options": {"include_usage": True}, "temperature": 0}
+        r = await c.post("/v1/completions", json=body, headers={"X-Request-Id": "client-id-1"})
+        assert r.status_code == 200
+        assert r.headers["x-request-id"] == "client-id-1"
+        [p_leg] = completion_legs(ps[0])
+        [d_leg] = completion_legs(ds[0])
+        # P leg: max_tokens=1, stream=false, stream_options/min_tokens removed, six-field kv params
+        assert p_leg.body["max_tokens"] == 1 and p_leg.body["stream"] is False
+        assert "stream_options" not in p_leg.body and "min_tokens" not in p_leg.body
+        assert p_leg.body["kv_transfer_params"] == SIX
+        assert p_leg.body["prompt"] == LONG and p_leg.body["temperature"] == 0
+        # D leg: the original body + P's kv_transfer_params verbatim (strict D checks the ledger)
+        kv = d_leg.body.pop("kv_transfer_params")
+        assert d_leg.body == body
+        assert kv["remote_engine_id"] == "prefill-0" and kv["do_remote_prefill"] is True
+        assert kv == ps[0].ledger[kv["remote_request_id"]]
+        # one X-Request-Id for both legs, same endpoint
+        assert p_leg.headers["x-request-id"] == d_leg.headers["x-request-id"] == "client-id-1"
+        assert p_leg.path == d_leg.path == "/v1/completions"
+        events = sse_events(r.text)
+        assert events[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["text"] for e in events[:-1] if e.get("choices")) == " t0 t1 t2 t3 t4 t5 t6"
+
+
+async def test_chat_max_completion_tokens_and_generated_id(tiny_model_path):
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        body = {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "max_completion_tokens": 3}
+        r = await c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        rid = r.headers["x-request-id"]
+        assert len(rid) == 32
+        [p_leg] = completion_legs(ps[0])
+        [d_leg] = completion_legs(ds[0])
+        assert p_leg.body["max_tokens"] == 1 and p_leg.body["max_completion_tokens"] == 1
+        assert d_leg.body["max_completion_tokens"] == 3 and "max_tokens" not in d_leg.body
+        assert p_leg.headers["x-request-id"] == d_leg.headers["x-request-id"] == rid
+        assert p_leg.path == d_leg.path == "/v1/chat/completions"
+        assert r.json()["choices"][0]["message"]["content"] == " t0 t1 t2"
+
+
+async def test_below_threshold_never_touches_prefill(tiny_model_path):
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        for stream in (False, True):
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": SHORT, "max_tokens": 2, "stream": stream})
+            assert r.status_code == 200
+        assert completion_legs(ps[0]) == []
+        legs = completion_legs(ds[0])
+        assert len(legs) == 2 and all("kv_transfer_params" not in leg.body for leg in legs)
+
+
+async def test_round_robin_over_several_instances(tiny_model_path):
+    async with topology(tiny_model_path, n_prefill=2, n_decode=2) as (c, url, ps, ds, app):
+        for _ in range(4):
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 2})
+            assert r.status_code == 200
+        assert [len(completion_legs(e)) for e in (*ps, *ds)] == [2, 2, 2, 2]
+
+
+async def test_usage_reports_prefill_view(tiny_model_path):
+    """D counts the transferred prompt as cached; the client sees P's view (stream and not)."""
+    async with topology(tiny_model_path, p_kw={"prefill_cached_tokens": 3}) as (c, url, ps, ds, app):
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 2})
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 3
+        assert usage["prompt_tokens"] > 3 and usage["completion_tokens"] == 2
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 2, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+        usage = [e for e in sse_events(r.text) if e != "[DONE]" and e.get("usage")][-1]["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 3
+        assert usage["completion_tokens"] == 2
+        # the decode engine itself reports the whole prompt as cached: the router rewrote it
+        direct = await c.post(ds[0].url + "/v1/completions", json={
+            "model": "tiny", "prompt": LONG, "max_tokens": 1,
+            "kv_transfer_params": ps[0].ledger[next(iter(ps[0].ledger))]})
+        assert direct.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"]
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+async def test_openai_client_unchanged(tiny_model_path, mode):
+    openai = pytest.importorskip("openai")
+    async with topology(tiny_model_path, mode=mode) as (c, url, ps, ds, app):
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused")
+        out = await client.completions.create(model="tiny", prompt=LONG, max_tokens=4)
+        assert out.choices[0].text == " t0 t1 t2 t3"
+        chunks = [ch async for ch in await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": LONG}], max_tokens=3, stream=True)]
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == " t0 t1 t2"
+        chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": SHORT}],
+                                                    max_tokens=2)
+        assert chat.choices[0].message.content == " t0 t1"
+        await client.close()
+        assert completion_legs(ps[0])  # disaggregated requests did reach prefill
