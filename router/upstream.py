@@ -30,9 +30,15 @@ class Reply:
 
 
 class Stream:
-    """An open streaming response whose status was 200. Iterate raw bytes; always aclose()."""
+    """An open streaming response whose status was 200. Iterate raw bytes; always aclose().
 
-    __slots__ = ("_resp", "stage", "headers", "_idle", "deadline", "closed", "_content")
+    Idle gaps and the whole-request deadline are enforced by one timer per stream that
+    re-arms itself (about once per idle period), not by a timer per chunk: the per-chunk
+    path only stores a timestamp.
+    """
+
+    __slots__ = ("_resp", "stage", "headers", "_idle", "deadline", "closed", "_content", "_last", "_expired",
+                 "_timer", "_loop")
 
     def __init__(self, resp: aiohttp.ClientResponse, stage: str, idle_timeout: float | None,
                  deadline: float | None = None):
@@ -43,6 +49,10 @@ class Stream:
         self._idle = idle_timeout
         self.deadline = deadline  # loop time by which the whole stream must end (request timeout)
         self.closed = False
+        self._last = 0.0
+        self._expired: str | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def first(self, timeout: float | None) -> bytes:
         """The first body chunk, within `timeout` (time to first byte)."""
@@ -54,28 +64,45 @@ class Stream:
             raise UpstreamTimeout(f"{self.stage} instance sent no data within {timeout:g}s", stage=self.stage) from None
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        idle = self._idle
-        hard = self.deadline
+        loop = self._loop = asyncio.get_running_loop()
+        self._last = loop.time()
+        self._arm()
+        read = self._next
         try:
-            async with asyncio.timeout(hard) as timer:
-                while True:
-                    if idle is not None:
-                        when = loop.time() + idle
-                        timer.reschedule(when if hard is None or when < hard else hard)
-                    chunk = await self._next()
-                    if not chunk:
-                        return
-                    yield chunk
-        except TimeoutError:
-            if hard is not None and loop.time() >= hard:
-                raise UpstreamTimeout("request timeout reached while streaming", stage=self.stage) from None
-            raise UpstreamTimeout(f"{self.stage} stream idle for more than {idle:g}s", stage=self.stage) from None
+            while True:
+                chunk = await read()
+                if not chunk:
+                    return
+                self._last = loop.time()
+                yield chunk
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+
+    def _arm(self) -> None:
+        when = None if self._idle is None else self._last + self._idle
+        if self.deadline is not None and (when is None or self.deadline < when):
+            when = self.deadline
+        if when is not None:
+            self._timer = self._loop.call_at(when, self._check)
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self.deadline is not None and now >= self.deadline:
+            self._expired = "request timeout reached while streaming"
+        elif self._idle is not None and now - self._last >= self._idle:
+            self._expired = f"{self.stage} stream idle for more than {self._idle:g}s"
+        else:
+            self._arm()
+            return
+        self._resp.close()  # wakes the pending read with an error, reported as the timeout
 
     async def _next(self) -> bytes:
         try:
             return await self._content.readany()
         except (aiohttp.ClientError, OSError) as exc:
+            if self._expired:
+                raise UpstreamTimeout(self._expired, stage=self.stage) from None
             raise _translate(exc, self.stage) from None
 
     async def aclose(self) -> None:
@@ -83,6 +110,8 @@ class Stream:
         (the engine then sees the disconnect and aborts the request)."""
         if not self.closed:
             self.closed = True
+            if self._timer is not None:
+                self._timer.cancel()
             if self._content.at_eof():
                 self._resp.release()
             else:
