@@ -1,0 +1,197 @@
+"""What every dispatch mode shares: the job, the outcome, leases and the decode leg."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+import orjson
+
+from router.errors import NoInstance, RouterError, UpstreamError
+from router.metrics import Metrics
+from router.policies import Policy
+from router.registry import Instance, Registry
+from router.settings import Settings
+from router.upstream import Stream, Upstream
+
+# The six fields pull and push prefill legs carry (PROTOCOLS.md sections 2 and 3).
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+@dataclass
+class Job:
+    """One client request, parsed and validated."""
+
+    kind: str  # "completions" | "chat"
+    path: str  # "/v1/completions" | "/v1/chat/completions"
+    body: dict
+    stream: bool
+    request_id: str
+    prompt_tokens: int
+    model: str | None
+    t0: float = field(default_factory=time.perf_counter)
+    route: str = "direct"
+    auth: str | None = None  # client's Authorization, forwarded only if configured
+
+
+@dataclass
+class Outcome:
+    """A decode leg that answered 200. `stream` is open (first chunk read) or None (whole body)."""
+
+    decode: Instance
+    body: bytes  # first chunk of a stream, or the whole JSON body
+    stream: Stream | None = None
+    prefill: Instance | None = None
+    prefill_reply: Awaitable[dict | None] | None = None  # P's JSON answer (usage), when disaggregated
+    t_handoff: float | None = None  # P answered (pull) / legs launched (push)
+    cleanups: list[Callable[[], Any]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.aclose()
+        for fn in reversed(self.cleanups):
+            res = fn()
+            if asyncio.iscoroutine(res):
+                await res
+        self.cleanups.clear()
+
+
+@dataclass
+class Env:
+    settings: Settings
+    registry: Registry
+    upstream: Upstream
+    metrics: Metrics
+    prefill_policy: Policy
+    decode_policy: Policy
+
+    def pick(self, role: str, job: Job, exclude: set | None = None) -> Instance:
+        cands = self.registry.candidates(role, job.model)
+        if exclude:
+            cands = [c for c in cands if c.key not in exclude] or cands
+        if not cands:
+            raise NoInstance(f"no healthy {role} instance" + (f" serves model {job.model!r}" if job.model else ""))
+        return (self.prefill_policy if role == "prefill" else self.decode_policy).pick(cands, job.request_id)
+
+    def headers(self, role: str, job: Job) -> dict[str, str]:
+        h = {"content-type": "application/json", "x-request-id": job.request_id}
+        s = self.settings
+        key = s.prefill_api_key if role == "prefill" else s.decode_api_key
+        if key:
+            h["authorization"] = f"Bearer {key}"
+        elif s.forward_authorization and job.auth:
+            h["authorization"] = job.auth
+        return h
+
+    def lease(self, inst: Instance) -> Callable[[], None]:
+        """Count `inst` as busy until the returned function is called (idempotent).
+
+        The gauge child is dropped when an instance leaves the registry, so a late
+        release only touches a detached child: labels stay bounded to live instances.
+        """
+        inst.in_flight += 1
+        gauge = self.metrics.in_flight.labels(inst.role, inst.url)
+        gauge.inc()
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                inst.in_flight -= 1
+                gauge.dec()
+
+        return release
+
+    def record_result(self, inst: Instance, ok: bool) -> None:
+        if inst.breaker is not None:
+            inst.breaker.record(ok, self.registry.now())
+        inst.failures = 0 if ok else inst.failures + 1
+        if ok:
+            inst.served += 1
+
+
+class Dispatcher(Protocol):
+    async def run(self, job: Job) -> Outcome: ...
+
+
+def prefill_body(body: dict, kv_params: dict | None) -> bytes:
+    """Step 1 of pull and push: max_tokens=1, no streaming, no min_tokens, the KV params."""
+    p = dict(body)
+    p["max_tokens"] = 1
+    if "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    p["stream"] = False
+    for k in ("stream_options", "min_tokens", "min_completion_tokens"):
+        p.pop(k, None)
+    if kv_params is None:
+        p.pop("kv_transfer_params", None)
+    else:
+        p["kv_transfer_params"] = kv_params
+    return orjson.dumps(p)
+
+
+def decode_body(body: dict, kv_params: dict | None) -> bytes:
+    if kv_params is None:
+        if "kv_transfer_params" not in body:
+            return orjson.dumps(body)
+        body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        return orjson.dumps(body)
+    return orjson.dumps({**body, "kv_transfer_params": kv_params})
+
+
+async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes) -> tuple[Stream | None, bytes]:
+    """Send the decode leg; for streams, wait for the first chunk (time to first decode byte)."""
+    s = env.settings
+    url = inst.url + job.path
+    headers = env.headers("decode", job)
+    if job.stream:
+        stream = await env.upstream.open_stream(url, body, headers, timeout=s.first_byte_timeout,
+                                                idle_timeout=s.idle_timeout, stage="decode")
+        try:
+            first = await stream.first(s.first_byte_timeout)
+        except BaseException:
+            await stream.aclose()
+            raise
+        if not first:
+            await stream.aclose()
+            raise UpstreamError("decode instance ended the stream without data", stage="decode", code="empty_stream")
+        return stream, first
+    reply = await env.upstream.post(url, body, headers, timeout=s.request_timeout, stage="decode")
+    return None, reply.body
+
+
+async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes) -> dict:
+    """Send a prefill leg and return P's JSON answer."""
+    t = time.perf_counter()
+    reply = await env.upstream.post(inst.url + job.path, body, env.headers("prefill", job),
+                                    timeout=env.settings.prefill_timeout, stage="prefill")
+    env.metrics.prefill_leg.labels(env.settings.mode).observe(time.perf_counter() - t)
+    try:
+        doc = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("prefill instance answered with invalid JSON", stage="prefill", code="bad_json") from None
+    if not isinstance(doc, dict):
+        raise UpstreamError("prefill instance answered with a non-object", stage="prefill", code="bad_json")
+    return doc
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Failures of the instance (not of the request) may be retried elsewhere."""
+    if isinstance(exc, UpstreamError):
+        engine_status = getattr(exc, "engine_status", 502)
+        return engine_status >= 500
+    return False
+
+
+def count_error(env: Env, exc: RouterError, stage: str) -> None:
+    env.metrics.errors.labels(stage, exc.kind).inc()

@@ -1,0 +1,85 @@
+"""Every pd-router metric, declared once, on a per-app registry.
+
+Naming: `pd_router_` prefix, base units in the name (`_seconds`, `_tokens`), counters
+end in `_total`. Labels are bounded: route (direct|disaggregated), mode (pull|push),
+connector, outcome (ok|client_error|upstream_error|timeout|cancelled|overloaded), stage
+(prefill|decode|client|router), kind (a bounded error code), role and instance (only
+instances in the registry; removed with them).
+
+The router runs one worker process (uvicorn workers=1); scale out with more router
+replicas behind a load balancer, so no multiprocess collector is needed.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled", "overloaded")
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.requests = Counter("pd_router_requests_total", "Client requests finished, by route, mode and outcome.",
+                                ["route", "mode", "outcome"], registry=r)
+        self.routing = Counter("pd_router_routing_decisions_total",
+                               "Threshold decisions: disaggregated (>= threshold) or direct, with the reason.",
+                               ["route", "reason"], registry=r)
+        self.ttft = Histogram("pd_router_time_to_first_token_seconds",
+                              "Client-observed time to first token (first byte of the answer).",
+                              ["route", "mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pd_router_inter_token_latency_seconds", "Gap between streamed chunks sent to the client.",
+                             ["route", "mode"], buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pd_router_request_duration_seconds", "End-to-end request latency.",
+                             ["route", "mode", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_leg = Histogram("pd_router_prefill_leg_seconds", "Prefill leg: request sent to answer received.",
+                                     ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram("pd_router_handoff_seconds",
+                                 "Prefill answered (pull) or push started -> first decode token.",
+                                 ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tokenize = Histogram("pd_router_tokenize_seconds", "Prompt token counting (cache misses included).",
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pd_router_prompt_tokens_total", "Prompt tokens routed (router's count).",
+                                     ["route"], registry=r)
+        self.prompt_tokens_hist = Histogram("pd_router_prompt_length_tokens", "Prompt length distribution.",
+                                            ["route"], buckets=TOKEN_BUCKETS, registry=r)
+        self.output_tokens = Counter("pd_router_output_tokens_total", "Output tokens relayed (from engine usage).",
+                                     ["route"], registry=r)
+        self.in_flight = Gauge("pd_router_in_flight_requests", "Requests in flight per engine instance.",
+                               ["role", "instance"], registry=r)
+        self.in_flight_total = Gauge("pd_router_requests_in_flight", "Client requests in flight.", registry=r)
+        self.errors = Counter("pd_router_errors_total", "Errors by stage and kind.", ["stage", "kind"], registry=r)
+        self.orphans = Counter("pd_router_orphaned_prefills_total",
+                               "Prefills that answered but whose decode leg was never sent (blocks pinned until lease expiry).",
+                               registry=r)
+        self.retries = Counter("pd_router_retries_total", "Legs retried on another instance.", ["stage"], registry=r)
+        self.fallbacks = Counter("pd_router_prefill_fallbacks_total",
+                                 "Requests run decode-only after a prefill failure.", registry=r)
+        self.registrations = Counter("pd_router_registrations_total", "Accepted registrations (new instances).",
+                                     ["role", "format"], registry=r)
+        self.heartbeats = Counter("pd_router_heartbeats_total", "Accepted pings (including refreshes).", registry=r)
+        self.expiries = Counter("pd_router_instance_expiries_total", "Registered instances expired after silence.",
+                                ["role"], registry=r)
+        self.rejected_pings = Counter("pd_router_rejected_pings_total", "Pings dropped, by reason.", ["reason"],
+                                      registry=r)
+        self.instances = Gauge("pd_router_instances", "Known instances by role and health.", ["role", "healthy"],
+                               registry=r)
+        self.breaker_open = Gauge("pd_router_circuit_open", "1 while an instance's circuit breaker is open.",
+                                  ["role", "instance"], registry=r)
+        self.goodput = Counter("pd_router_slo_goodput_requests_total",
+                               "Finished requests meeting both the TTFT and the ITL target.", ["route"], registry=r)
+        self.slo_requests = Counter("pd_router_slo_requests_total",
+                                    "Finished successful requests considered for goodput.", ["route"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def forget_instance(self, role: str, url: str) -> None:
+        for metric in (self.in_flight, self.breaker_open):
+            try:
+                metric.remove(role, url)
+            except KeyError:
+                pass

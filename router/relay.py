@@ -1,0 +1,161 @@
+"""Relaying the decode leg to the client: bytes pass through, metrics on the side.
+
+Streams are passed through chunk by chunk without re-encoding; the only rewrite is the
+usage of disaggregated requests (the decode instance counts the transferred prompt as
+cached; the client must see the prefill instance's view, as a single instance reports),
+which touches only the event that carries `usage`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import AsyncIterator
+
+import orjson
+
+from router.dispatch.base import Job, Outcome
+from router.errors import RouterError, UpstreamError, sse_error_event
+
+log = logging.getLogger("pd_router.relay")
+DONE = b"data: [DONE]"
+
+
+class Tally:
+    """Per-request numbers the relay collects for metrics and the access log."""
+
+    __slots__ = ("ttft", "gaps", "max_gap", "output_tokens", "outcome", "error", "chunks", "_last")
+
+    def __init__(self) -> None:
+        self.ttft: float | None = None
+        self.gaps = 0.0
+        self.max_gap = 0.0
+        self.output_tokens: int | None = None
+        self.outcome = "ok"
+        self.error: RouterError | None = None
+        self.chunks = 0
+        self._last = 0.0
+
+    def tick(self, now: float, t0: float, itl_hist) -> None:
+        if self.ttft is None:
+            self.ttft = now - t0
+        else:
+            gap = now - self._last
+            self.gaps += gap
+            if gap > self.max_gap:
+                self.max_gap = gap
+            itl_hist.observe(gap)
+        self._last = now
+        self.chunks += 1
+
+    @property
+    def mean_itl(self) -> float | None:
+        return self.gaps / (self.chunks - 1) if self.chunks > 1 else None
+
+
+async def prefill_details(outcome: Outcome) -> tuple[bool, object]:
+    """(known, P's usage.prompt_tokens_details) for disaggregated requests."""
+    if outcome.prefill_reply is None:
+        return False, None
+    try:
+        doc = await outcome.prefill_reply
+    except BaseException:  # noqa: BLE001 - P failing after D streamed does not break the answer
+        return False, None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(usage, dict):
+        return False, None
+    return True, usage.get("prompt_tokens_details")
+
+
+def fix_usage_doc(doc: dict, details: object) -> bool:
+    usage = doc.get("usage")
+    if isinstance(usage, dict) and usage.get("prompt_tokens_details") != details:
+        usage["prompt_tokens_details"] = details
+        return True
+    return False
+
+
+async def whole_body(outcome: Outcome, job: Job, tally: Tally) -> bytes:
+    """A non-streaming answer: usage fixed if disaggregated, output tokens counted."""
+    body = outcome.body
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("decode instance answered with invalid JSON", stage="decode", code="bad_json") from None
+    if not isinstance(doc, dict):
+        raise UpstreamError("decode instance answered with a non-object", stage="decode", code="bad_json")
+    usage = doc.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        tally.output_tokens = usage["completion_tokens"]
+    known, details = await prefill_details(outcome)
+    if known and fix_usage_doc(doc, details):
+        body = orjson.dumps(doc)
+    return body
+
+
+async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish) -> AsyncIterator[bytes]:
+    """Yield the decode stream to the client. `finish(tally)` runs exactly once at the end."""
+    stream = outcome.stream
+    assert stream is not None
+    fix = outcome.prefill_reply is not None
+    pending = b""  # only used while an event carrying usage is split across reads
+    seen_done = False
+    t0 = job.t0
+    try:
+        chunk = outcome.body
+        chunks = stream.chunks()
+        while True:
+            if b"usage" in chunk or pending:
+                chunk, pending = await _rewrite_usage(pending + chunk, outcome, tally, fix)
+            if DONE in chunk[-16:]:
+                seen_done = True
+            if chunk:
+                tally.tick(time.perf_counter(), t0, itl_hist)
+                yield chunk
+            try:
+                chunk = await chunks.__anext__()
+            except StopAsyncIteration:
+                break
+        if pending:
+            yield pending
+        if not seen_done:
+            raise UpstreamError("decode instance ended the stream early (no [DONE])", stage="decode",
+                                code="truncated_stream")
+    except RouterError as exc:
+        tally.outcome = "timeout" if exc.status == 504 else "upstream_error"
+        tally.error = exc
+        yield sse_error_event(exc)
+    except BaseException:
+        tally.outcome = "cancelled"
+        raise
+    finally:
+        await outcome.close()
+        finish(tally)
+
+
+async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool) -> tuple[bytes, bytes]:
+    """Rewrite complete SSE events that carry usage; keep an incomplete tail pending."""
+    cut = data.rfind(b"\n\n")
+    if cut < 0:
+        return b"", data
+    complete, rest = data[: cut + 2], data[cut + 2:]
+    if b'"usage":{' not in complete and b'"usage": {' not in complete:
+        return complete, rest
+    out = []
+    for event in complete.split(b"\n\n"):
+        if event.startswith(b"data: {") and b'"usage"' in event:
+            try:
+                doc = orjson.loads(event[6:])
+            except orjson.JSONDecodeError:
+                out.append(event)
+                continue
+            usage = doc.get("usage")
+            if isinstance(usage, dict):
+                if isinstance(usage.get("completion_tokens"), int):
+                    tally.output_tokens = usage["completion_tokens"]
+                if fix:
+                    known, details = await prefill_details(outcome)
+                    if known and fix_usage_doc(doc, details):
+                        event = b"data: " + orjson.dumps(doc)
+        out.append(event)
+    return b"\n\n".join(out), rest

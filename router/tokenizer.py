@@ -1,0 +1,177 @@
+"""Prompt token counting, off the event loop and cached by prompt hash.
+
+Counts follow vLLM's own rules so the threshold sees what the engine sees:
+completions encode the prompt with special tokens; chat renders the chat template
+to text (generation prompt on, as vLLM does by default) and encodes it without
+special tokens. The tokenizer loads lazily, from `--tokenizer` or from the model
+root the backends report in `/v1/models`, always offline (local files only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import sys
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import orjson
+
+from router.errors import BadRequest
+
+log = logging.getLogger("pd_router.tokenizer")
+
+
+class TokenCounter:
+    def __init__(self, source: str | None = None, *, threads: int = 2, cache_size: int = 4096):
+        self._source = source
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="pdr-tok")
+        self._cache: OrderedDict[bytes, int] = OrderedDict()
+        self._cache_size = cache_size
+        self._tok = None
+        self._load_error: str | None = None
+        self._loading: asyncio.Future | None = None
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def source(self) -> str | None:
+        return self._source
+
+    @property
+    def loaded(self) -> bool:
+        return self._tok is not None
+
+    @property
+    def load_error(self) -> str | None:
+        return self._load_error
+
+    def offer_source(self, source: str | None) -> None:
+        """A backend reported where its model lives; use it if nothing was configured."""
+        if source and self._source is None and self._tok is None:
+            self._source = source
+            self._load_error = None
+            self.preload()
+
+    def preload(self) -> None:
+        """Start loading in the background (call from a running loop); errors surface on first use."""
+        if self._tok is None and self._loading is None and self._source is not None:
+            self._loading = asyncio.get_running_loop().run_in_executor(self._pool, _load, self._source)
+            self._loading.add_done_callback(self._loaded)
+
+    def _loaded(self, fut: asyncio.Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self._tok = fut.result()
+
+    async def ensure_loaded(self) -> None:
+        if self._tok is not None:
+            return
+        if self._source is None:
+            raise BadRequest("no tokenizer: pass --tokenizer or start a backend that reports its model path",
+                             code="no_tokenizer")
+        self.preload()
+        try:
+            self._tok = await asyncio.shield(self._loading)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, retried on the next request
+            self._loading = None
+            self._load_error = f"{type(exc).__name__}: {exc}"
+            log.error("cannot load tokenizer %r: %s", self._source, self._load_error)
+            raise
+
+    async def count(self, kind: str, body: dict[str, Any]) -> int:
+        """Number of prompt tokens of one request (the first prompt of a batch)."""
+        key = _cache_key(kind, body)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            self.hits += 1
+            return hit
+        self.misses += 1
+        await self.ensure_loaded()
+        n = await asyncio.get_running_loop().run_in_executor(self._pool, _count, self._tok, kind, body)
+        self._cache[key] = n
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return n
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def block_torch() -> None:
+    """The router never needs torch: make transformers see it as absent (fast import, small RSS).
+
+    Call before transformers is imported, in the router's own process only.
+    """
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # `import torch` now raises ImportError; find_spec returns None
+
+
+def _load(source: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import AutoTokenizer  # heavy import, done in a worker thread
+
+    tok = AutoTokenizer.from_pretrained(source, local_files_only=True, use_fast=True)
+    if not getattr(tok, "is_fast", False):
+        raise RuntimeError(f"{source}: no fast tokenizer")
+    log.info("tokenizer loaded from %s", source)
+    return tok
+
+
+def _cache_key(kind: str, body: dict) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(kind.encode())
+    if kind == "chat":
+        h.update(orjson.dumps([body.get("messages"), body.get("tools"), body.get("chat_template_kwargs"),
+                               body.get("add_generation_prompt", True), body.get("continue_final_message", False)],
+                              option=orjson.OPT_SORT_KEYS))
+    else:
+        p = body.get("prompt")
+        h.update(p.encode("utf-8", "surrogatepass") if isinstance(p, str) else orjson.dumps(p))
+    return h.digest()
+
+
+def _count(tok, kind: str, body: dict) -> int:
+    if kind == "chat":
+        return len(_render_chat(tok, body))
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(tok.encode(prompt, add_special_tokens=True))
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int):
+            return len(prompt)
+        if isinstance(first, str):
+            return len(tok.encode(first, add_special_tokens=True))
+        if isinstance(first, list):
+            return len(first)
+    raise BadRequest("prompt must be a string, a list of strings or a list of token ids", param="prompt")
+
+
+def _render_chat(tok, body: dict) -> list[int]:
+    messages = [_normalise_message(m) for m in body["messages"]]
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    try:
+        text = tok.apply_chat_template(
+            messages,
+            tools=body.get("tools"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            continue_final_message=bool(body.get("continue_final_message", False)),
+            tokenize=False,
+            **kwargs,
+        )
+    except Exception as exc:  # template errors are the request's fault
+        raise BadRequest(f"chat template failed for these messages: {exc}", param="messages") from None
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _normalise_message(m: dict) -> dict:
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        text = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        m = {**m, "content": text}
+    return m

@@ -1,0 +1,50 @@
+"""Shared fixtures: the tiny model (built once, cached) and an in-process router on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path():
+    from launch.tiny_model import ensure_tiny_model
+
+    return ensure_tiny_model()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def run_router(settings, **overrides):
+    """Serve create_app(settings) with uvicorn on a free port; yield (base_url, app)."""
+    import uvicorn
+
+    from router.app import create_app
+
+    settings = settings.replace(port=free_port(), host="127.0.0.1")
+    app = create_app(settings, **overrides)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            break
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    else:
+        raise RuntimeError("router did not start")
+    try:
+        yield f"http://{settings.host}:{settings.port}", app
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
