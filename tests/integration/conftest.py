@@ -19,15 +19,14 @@ Settings (environment):
   (about 6x faster P/D on two cores; outputs and counters are identical without it).
 - ``PD_ROUTER_VLLM_START_TIMEOUT`` (default 600 s).
 - ``PD_ROUTER_TEST_MAX_VLLM`` (default 4): a fixture that would exceed it fails instead.
-- Instances bind one core each (``VLLM_CPU_OMP_THREADS_BIND``), round-robin over the cores this
-  process may use, prefill and decode of a pair on different cores.
+- Instances bind one core each (``VLLM_CPU_OMP_THREADS_BIND``): decode instances the last core
+  this process may use, prefill and monolithic instances the first.
 - Logs: under pytest's basetemp, ``vllm-<module>-<n>/<instance>.log``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,13 +62,19 @@ class PushTopology:
         return push_prefill_url(self.prefills[i].spec)
 
 
+def _core_for(role: str) -> str:
+    # Decode instances get the last core to themselves; everything else shares the first.
+    # A decode instance sharing its core with a busy prefill instance was seen to lose the
+    # engine-core -> worker wake-up for 30 s in push mode (see docs/vllm-facts.md).
+    return str(_CORES[-1] if role == "decode" else _CORES[0])
+
+
 @dataclass
 class _Cluster:
     """One module's instances: started without waiting, awaited by whoever needs them."""
 
     launcher: Launcher
     model: str
-    cores: itertools.cycle = field(default_factory=lambda: itertools.cycle(_CORES))
     topologies: dict[str, list[Engine]] = field(default_factory=dict)
 
     def spec(self, name: str, **kw) -> EngineSpec:
@@ -78,7 +83,7 @@ class _Cluster:
         return EngineSpec(
             name=name,
             model=self.model, port=http_port, served_model_name=MODEL_NAME,
-            cpu_cores=str(next(self.cores)), cpu_patch=CPU_PATCH, **kw,
+            cpu_cores=_core_for(kw.get("role", "both")), cpu_patch=CPU_PATCH, **kw,
         )  # fmt: skip
 
     def start(self, spec: EngineSpec) -> Engine:
