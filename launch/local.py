@@ -4,7 +4,9 @@
   signal the whole tree vLLM spawns (API server, engine core, workers): SIGTERM to the group,
   then SIGKILL to whatever is left after a grace period. On Linux each child also gets
   ``PR_SET_PDEATHSIG`` = SIGTERM, so a launcher killed with SIGKILL does not leave its direct
-  children running (vLLM's engine core exits when its API server dies).
+  children running (vLLM's engine core exits when its API server dies). Linux sends that
+  signal when the *thread* that started the child exits, so start processes from a thread
+  that lives as long as they should (the main thread, as pytest fixtures and the CLI do).
 - Output goes to ``<run_dir>/<name>.log``; errors quote its tail.
 - ``wait_ready`` polls ``GET /v1/models`` until the expected served model name is listed (a
   stray process on a reused port answers ``/health`` too) and fails fast, with the log tail,
