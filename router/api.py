@@ -146,7 +146,7 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
     except RouterError as err:
         tally = Tally()
         tally.error = err
-        _finish(st, job, route, tally, _outcome_of(err), err, admitted)
+        _finish(st, job, route, tally, _outcome_of(err), err, admitted, rid=rid)
         return error_response(err, rid)
     except BaseException:
         if admitted:
@@ -194,7 +194,8 @@ def _stage_of(err: RouterError) -> str:
     return "router" if isinstance(err, (Overloaded, NoInstance)) or err.status >= 500 else "client"
 
 
-def _finish(st: AppState, job, route: str, tally: Tally, outcome: str, err, admitted: bool, out=None) -> None:
+def _finish(st: AppState, job, route: str, tally: Tally, outcome: str, err, admitted: bool, out=None,
+            rid: str | None = None) -> None:
     m = st.metrics
     s = st.settings
     now = time.perf_counter()
@@ -211,7 +212,7 @@ def _finish(st: AppState, job, route: str, tally: Tally, outcome: str, err, admi
         m.errors.labels("client", "disconnected").inc()
     if job is None:
         if err is not None and log.isEnabledFor(logging.INFO):
-            st.access_log(None, route, None, None, 0, None, None, err.status, outcome, err)
+            st.access_log(rid, route, None, None, 0, None, None, err.status, outcome, err)
         return
     e2e = now - job.t0
     m.e2e.labels(route, mode, outcome).observe(e2e)
