@@ -3,8 +3,9 @@
 Naming: `pd_router_` prefix, base units in the name (`_seconds`, `_tokens`), counters
 end in `_total`. Labels are bounded: route (direct|disaggregated), mode (pull|push|none),
 outcome (ok|client_error|upstream_error|timeout|cancelled|overloaded), stage
-(prefill|decode|client|router), kind (a bounded error code), role and instance (only
-instances in the registry; removed with them).
+(prefill|decode|client|router), kind (a bounded error code), role and engine (the URL
+of an instance in the registry, removed with it; not `instance`, which Prometheus
+reserves for the scrape target and would rename to `exported_instance`).
 
 The router runs one worker process (uvicorn workers=1); scale out with more router
 replicas behind a load balancer, so no multiprocess collector is needed.
@@ -53,8 +54,8 @@ class Metrics:
                                      "Output tokens relayed (completion_tokens of the engine's usage; streams always "
                                      "ask the decode leg for usage).",
                                      ["route"], registry=r)
-        self.in_flight = Gauge("pd_router_in_flight_requests", "Requests in flight per engine instance.",
-                               ["role", "instance"], registry=r)
+        self.in_flight = Gauge("pd_router_in_flight_requests", "Legs in flight per engine instance (role, engine URL).",
+                               ["role", "engine"], registry=r)
         self.in_flight_total = Gauge("pd_router_requests_in_flight", "Client requests in flight.", registry=r)
         self.errors = Counter("pd_router_errors_total", "Errors by stage and kind.", ["stage", "kind"], registry=r)
         self.orphans = Counter("pd_router_orphaned_prefills_total",
@@ -74,7 +75,7 @@ class Metrics:
         self.instances = Gauge("pd_router_instances", "Known instances by role and health.", ["role", "healthy"],
                                registry=r)
         self.breaker_open = Gauge("pd_router_circuit_open", "1 while an instance's circuit breaker is open.",
-                                  ["role", "instance"], registry=r)
+                                  ["role", "engine"], registry=r)
         self.goodput = Counter("pd_router_slo_goodput_requests_total",
                                "Finished requests meeting both the TTFT and the ITL target.", ["route"], registry=r)
         self.slo_requests = Counter("pd_router_slo_requests_total",

@@ -82,7 +82,7 @@ async def test_known_traffic_counts_and_latency_sums(tiny_model_path):
         assert m.get("pd_router_tokenize_seconds_count") == 8
         assert m.get("pd_router_requests_in_flight") == 0
         for e, role in ((ps[0], "prefill"), (ds[0], "decode")):
-            assert m.get("pd_router_in_flight_requests", role=role, instance=e.url) == 0
+            assert m.get("pd_router_in_flight_requests", role=role, engine=e.url) == 0
         assert m.get("pd_router_slo_requests_total", route="disaggregated") == 5
 
 
@@ -169,7 +169,7 @@ async def test_labels_bounded_under_flood(tiny_model_path):
                 assert "flood" not in value, (name, lab)
                 if key in ALLOWED:
                     assert value in ALLOWED[key], (name, lab)
-                elif key == "instance":
+                elif key == "engine":
                     assert value in urls, (name, lab)
                 else:
                     assert key in ("le", "kind"), (name, lab)
@@ -194,10 +194,10 @@ async def test_instance_labels_follow_the_registry(tiny_model_path):
             assert len(completion_legs(extra)) == 2  # round robin over both decode instances
             m = await scrape(c)
             # series appear on an instance's first lease (P got none: all traffic was direct)
-            assert {lab["instance"] for lab in m.series("pd_router_in_flight_requests")} == {ds[0].url, extra.url}
+            assert {lab["engine"] for lab in m.series("pd_router_in_flight_requests")} == {ds[0].url, extra.url}
             assert m.get("pd_router_instances", role="decode", healthy="true") == 2
             assert [i.url for i in reg.expire(-1.0)] == [extra.url]  # only registered instances expire
             m = await scrape(c)
             assert m.get("pd_router_instance_expiries_total", role="decode") == 1
-            assert extra.url not in {lab.get("instance") for _, lab, _ in m.samples}
+            assert extra.url not in {lab.get("engine") for _, lab, _ in m.samples}
             assert m.get("pd_router_instances", role="decode", healthy="true") == 1
