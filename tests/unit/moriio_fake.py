@@ -46,7 +46,11 @@ class MoriioEngine(FakeEngine):
             rid = rec.headers.get("x-request-id")
             parsed = parse_request_id(rid or "")
             if self.hold_until_decode and parsed and parsed[1] in self.net.peers:
-                await self.net.peers[parsed[1]].wait_for(lambda q: q.headers.get("x-request-id") == rid, timeout=5)
+                try:
+                    await self.net.peers[parsed[1]].wait_for(lambda q: q.headers.get("x-request-id") == rid, timeout=5)
+                except TimeoutError:
+                    raise BadRequest("the decode leg never reached D while P held its answer (serial WRITE?)",
+                                     None, 500) from None
             if self.fail_status:
                 raise BadRequest("injected prefill failure", None, self.fail_status)
         await super()._generate(conn, rec)
