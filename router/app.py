@@ -12,9 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from router.api import api, error_response
+from router.api import api, error_response, handle
+from router.fastpath import RouterASGI
 from router.dispatch import DirectDispatch, Env, make_dispatcher
 from router.errors import BadRequest, RouterError, error_body
+from router.breaker import Breaker
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.policies import make_policy
@@ -29,12 +31,12 @@ log = logging.getLogger("pd_router")
 
 def create_app(settings: Settings, *, upstream: Upstream | None = None, registry: Registry | None = None,
                metrics: Metrics | None = None, tokens: TokenCounter | None = None,
-               start_background: bool = True) -> FastAPI:
+               start_background: bool = True) -> RouterASGI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         m = metrics or Metrics()
         reg = registry or Registry(max_instances=settings.max_instances,
-                                   on_change=lambda ev, inst: _on_registry_change(m, ev, inst))
+                                   on_change=lambda ev, inst: _on_registry_change(m, settings, ev, inst))
         for spec in settings.prefill:
             reg.add_static("prefill", spec)
         for spec in settings.decode:
@@ -92,11 +94,13 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, registry
         return Response(orjson.dumps(error_body("internal router error", "internal_error")), status_code=500,
                         media_type="application/json")
 
-    return app
+    return RouterASGI(app, handle)
 
 
-def _on_registry_change(m: Metrics, event: str, inst) -> None:
-    if event == "removed":
+def _on_registry_change(m: Metrics, settings: Settings, event: str, inst) -> None:
+    if event == "added" and settings.breaker_failures > 0:
+        inst.breaker = Breaker(settings.breaker_failures, settings.breaker_cooldown)
+    elif event == "removed":
         m.forget_instance(inst.role, inst.url)
     elif event == "expired":
         m.expiries.labels(inst.role).inc()

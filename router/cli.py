@@ -47,6 +47,8 @@ SERVE_FLAGS = [
     ("--on-prefill-failure", "on_prefill_failure", str, "what to do when a prefill leg fails", {"choices": PREFILL_FAILURE_POLICIES}),
     ("--prefill-retries", "prefill_retries", int, "other prefill instances to try (retry policy)", {}),
     ("--decode-retries", "decode_retries", int, "other decode instances to try before the first byte", {}),
+    ("--breaker-failures", "breaker_failures", int, "consecutive failures that open an instance's circuit (0 = off)", {}),
+    ("--breaker-cooldown", "breaker_cooldown", float, "seconds an open circuit waits before a probe request", {}),
     ("--max-inflight", "max_inflight", int, "requests in flight before 429 (0 = unlimited)", {}),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body accepted", {}),
     ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' from clients", {}),
