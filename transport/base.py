@@ -18,10 +18,11 @@ transfer: ``ok=True`` only after all bytes landed; ``ok=False`` if the sender va
 from __future__ import annotations
 
 import enum
+import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -120,6 +121,7 @@ class Transfer:
     error: TransportError | None = None
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _poll: Callable[[], None] | None = field(default=None, repr=False)  # backends that must poll
 
     def _resolve(self, error: TransportError | None = None) -> bool:
         """Set the outcome once; later calls are ignored. Returns whether this call set it."""
@@ -131,6 +133,8 @@ class Transfer:
             return True
 
     def status(self) -> Status:
+        if not self._done.is_set() and self._poll is not None:
+            self._poll()
         if not self._done.is_set() and self.deadline is not None and time.monotonic() > self.deadline:
             self._resolve(TransferTimeout(f"transfer {self.id} to {self.peer} passed its deadline"))
         if not self._done.is_set():
@@ -138,12 +142,18 @@ class Transfer:
         return Status.FAILED if self.error else Status.DONE
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until DONE (return) or FAILED (raise its error); TransferTimeout after ``timeout``."""
-        limit = [t for t in (timeout, None if self.deadline is None else self.deadline - time.monotonic())
-                 if t is not None]
-        if not self._done.wait(max(0.0, min(limit)) if limit else None):
-            if self.status() is Status.PENDING:
-                raise TransferTimeout(f"transfer {self.id} to {self.peer} still pending after {timeout}s")
+        """Block until DONE (return) or FAILED (raise its error); TransferTimeout after ``timeout``
+        (the transfer itself goes on until its own deadline)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        if self.deadline is not None:
+            end = self.deadline if end is None else min(end, self.deadline)
+        if self._poll is not None:  # no thread resolves it: progress it ourselves
+            while self.status() is Status.PENDING and (end is None or time.monotonic() < end):
+                time.sleep(0.0002)
+        else:
+            self._done.wait(None if end is None else max(0.0, end - time.monotonic()))
+        if self.status() is Status.PENDING:
+            raise TransferTimeout(f"transfer {self.id} to {self.peer} still pending after {timeout}s")
         if self.error:
             raise self.error
 
@@ -187,7 +197,5 @@ class Buffer:
         except BufferError:  # a view is still exported; the map is freed with the last view
             pass
         if self.fd >= 0:
-            import os
-
             os.close(self.fd)
             self.fd = -1
