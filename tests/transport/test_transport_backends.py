@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from transport_testlib import FILL, backend_params
+from transport_testlib import FILL, get_core, pairs
 
 from transport import layout
 from transport.base import Region, RegionError, Status
@@ -24,8 +24,9 @@ def cases(rng: np.random.Generator):
     yield 12 * KiB, 20 * KiB, rng.permutation(300)[:25], rng.permutation(200)[:15], None
 
 
-@pytest.mark.parametrize("backend", backend_params())
-def test_random_layouts_every_byte(backend, core, spawn, transports, tmp_path):
+@pytest.mark.parametrize("backend,core_name", pairs())
+def test_random_layouts_every_byte(backend, core_name, spawn, transports, tmp_path):
+    core = get_core(core_name)
     rng = np.random.default_rng(1234)
     rx = spawn(backend, core.IMPLEMENTATION, 2 * HALF)
     tx = transports(backend, core)
@@ -59,8 +60,9 @@ def _apply(image, d0, src, s0, descs):
     return image
 
 
-@pytest.mark.parametrize("backend", backend_params())
-def test_descriptors_outside_registered_memory_are_refused(backend, core, spawn, transports, tmp_path):
+@pytest.mark.parametrize("backend,core_name", pairs())
+def test_descriptors_outside_registered_memory_are_refused(backend, core_name, spawn, transports, tmp_path):
+    core = get_core(core_name)
     rx = spawn(backend, core.IMPLEMENTATION, MiB)
     tx = transports(backend, core)
     src = tx.allocate(2 * MiB)

@@ -33,12 +33,22 @@ def load_core(name: str):
         pytest.skip(f"C extension not built: {e}")
 
 
-def backend_params(with_nixl: bool = True):
-    out = [pytest.param(b, id=b) for b in ("cma", "shm", "tcp")]
-    if with_nixl:
-        out.append(pytest.param("nixl", id="nixl", marks=pytest.mark.skipif(
+def load_default_core():
+    return _core._impl
+
+
+def pairs(*, nixl: bool = True, backends=("cma", "shm", "tcp")):
+    """(backend, core name) combinations: each of our backends with both cores; nixl once (its
+    data path does not use the core; descriptors come from the default one)."""
+    out = [pytest.param(b, c, id=f"{b}-{c}") for b in backends for c in ("c", "python")]
+    if nixl:
+        out.append(pytest.param("nixl", "default", id="nixl", marks=pytest.mark.skipif(
             not NIXL_OK, reason=f"nixl not importable: {NIXL_WHY}")))
     return out
+
+
+def get_core(name: str):
+    return _core._impl if name == "default" else load_core(name)
 
 
 class Peer:
