@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from transport import _core, _wire
 from transport.base import (Buffer, MemKind, Notification, PeerLost, Region, RegionError, Status,
                             Transfer, TransferFailed, TransferTimeout, TransportError)
-from transport.layout import RegionTable, as_descs
+from transport.layout import RegionTable, as_descs, split
 
 _POLL_S = 1.0  # socket timeout: how often idle threads look at the closing flag
 
@@ -106,8 +107,10 @@ class StreamTransport:
     name = "stream"
     same_host = True
 
+    default_threads = 1
+
     def __init__(self, agent: str | None = None, *, core: ModuleType | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, threads: int | None = None) -> None:
         self.agent = agent or f"{self.name}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.core = core or _core
         self.timeout = timeout
@@ -122,12 +125,16 @@ class StreamTransport:
         self._accept_thread: threading.Thread | None = None
         self._address: object = None
         self._closing = False
+        self.threads = max(1, threads or self.default_threads)  # copy threads per transfer
+        self._pool: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self._listener is not None:
             return
         self._listener, self._address = self._listen()
+        if self.threads > 1:
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix=f"pdr-{self.name}-copy")
         self._accept_thread = self._thread(self._accept_loop, "accept")
 
     def close(self) -> None:
@@ -144,6 +151,9 @@ class StreamTransport:
             conn.sock.close()
         for name in peers:
             self.disconnect(name)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         for buf in self._buffers:
             buf.close()
         self._buffers.clear()
@@ -388,6 +398,18 @@ class StreamTransport:
         _wire.send_frame(peer.sock, _wire.BEGIN, t.id, t.message)
         move()
         _wire.send_frame(peer.sock, _wire.DONE, t.id)
+
+    def _parallel(self, fn, descs: np.ndarray) -> None:
+        """fn(part) over ``self.threads`` parts of about equal bytes (the C releases the GIL)."""
+        parts = split(descs, self.threads) if self._pool is not None else [descs]
+        futures = [self._pool.submit(fn, p) for p in parts[1:]] if len(parts) > 1 else []
+        try:
+            fn(parts[0])
+        finally:
+            errors = [f.exception() for f in futures]
+        for e in errors:
+            if e is not None:
+                raise e
 
     def _thread(self, target, name: str, *args) -> threading.Thread:
         th = threading.Thread(target=target, args=args, name=f"pdr-{self.name}-{name}", daemon=True)

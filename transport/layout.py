@@ -144,3 +144,30 @@ def as_descs(descs) -> np.ndarray:
     if a.ndim != 2 or a.shape[1] != 3:
         raise ValueError(f"descriptors must be (N, 3), got shape {a.shape}")
     return a
+
+
+def split(descs: np.ndarray, parts: int) -> list[np.ndarray]:
+    """Cut a descriptor list into ``parts`` pieces of about equal bytes (rows split if needed),
+    for moving them on several threads. Empty pieces are dropped."""
+    d = as_descs(descs)
+    if parts <= 1 or len(d) == 0:
+        return [d]
+    ends = np.cumsum(d[:, 2], dtype=np.uint64)
+    total = int(ends[-1])
+    cuts = sorted({total * k // parts for k in range(1, parts)} - {0}) + [total]
+    out, row, off = [], 0, 0  # the next piece starts at byte `off` of row `row`
+    for cut in cuts:
+        last = int(np.searchsorted(ends, np.uint64(cut), side="left"))  # row holding byte cut-1
+        piece = d[row:last + 1].copy()
+        piece[0, :2] += np.uint64(off)
+        piece[0, 2] -= np.uint64(off)
+        tail = int(ends[last]) - cut  # bytes of row `last` left for the next piece
+        piece[-1, 2] -= np.uint64(tail)
+        piece = piece[piece[:, 2] > 0]
+        if len(piece):
+            out.append(piece)
+        if tail:
+            row, off = last, int(d[last, 2]) - tail
+        else:
+            row, off = last + 1, 0
+    return out

@@ -81,4 +81,4 @@ class ShmTransport(StreamTransport):
         idx = peer.extra["map_table"].check(descs, 1, "destination")
         local = descs.copy()
         local[:, 1] += peer.extra["delta"][idx]  # wraps mod 2**64, as intended
-        self._send_one_sided(peer, t, lambda: self.core.copy_batch(local))
+        self._send_one_sided(peer, t, lambda: self._parallel(self.core.copy_batch, local))
