@@ -15,9 +15,12 @@ Weak spot: a receiver learns of a sender that died mid-transfer only through its
 from __future__ import annotations
 
 import base64
+import importlib
+import importlib.util
 import itertools
 import mmap
 import os
+import sys
 import threading
 import time
 import uuid
@@ -34,9 +37,24 @@ from transport.layout import RegionTable, as_descs
 _POLL_S = 0.0002
 
 
+def _api():
+    """NIXL's Python API module. ``import nixl`` picks its CUDA variant by asking torch, and with a
+    CPU-only torch installed that imports torch (seconds, per process). Where torch is not loaded
+    yet, import an installed variant directly; otherwise (e.g. inside vLLM) use ``nixl._api``."""
+    if "torch" not in sys.modules and "nixl" not in sys.modules:
+        for variant in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
+            if importlib.util.find_spec(variant) is not None:
+                return importlib.import_module(f"{variant}._api")
+    import nixl._api
+
+    return nixl._api
+
+
 def available() -> tuple[bool, str]:
+    if sys.modules.get("nixl", False) is None:  # import blocked (tests, or a site policy)
+        return False, "nixl is not importable: import of nixl is blocked"
     try:
-        import nixl._api  # noqa: F401
+        _api()
     except Exception as e:  # ImportError, or a broken native library
         return False, f"nixl is not importable: {e}"
     return True, "ok"
@@ -98,10 +116,12 @@ class NixlTransport:
             return
         for k, v in self._ucx_env.items():
             os.environ.setdefault(k, v)
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-        except Exception as e:
-            raise TransportUnavailable(f"nixl is not importable: {e}") from e
+        ok, why = available()
+        if not ok:
+            raise TransportUnavailable(why)
+        api = _api()
+        nixl_agent, nixl_agent_config, nixl_thread_sync_t = (
+            api.nixl_agent, api.nixl_agent_config, api.nixl_thread_sync_t)
         conf = nixl_agent_config(enable_prog_thread=False, backends=[],
                                  sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
