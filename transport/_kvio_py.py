@@ -38,6 +38,8 @@ def _u64(obj, what: str) -> memoryview:
         raise TypeError(f"{what}: a bytes-like object is required") from None
     if not m.c_contiguous or m.nbytes % 8 or m.itemsize not in (1, 8):
         raise ValueError(f"{what}: expected a buffer of uint64")
+    if m.nbytes == 0:  # memoryview cannot cast a view with a zero in its shape
+        return memoryview(b"").cast("Q")
     return m.cast("B").cast("Q")
 
 

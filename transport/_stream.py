@@ -138,7 +138,8 @@ class StreamTransport:
         self._accept_thread = self._thread(self._accept_loop, "accept")
 
     def close(self) -> None:
-        self._closing = True
+        with self._lock:
+            self._closing = True
         if self._listener is not None:
             _shutdown(self._listener)
             self._listener.close()
@@ -194,7 +195,9 @@ class StreamTransport:
         if self.same_host and info["host"] != host_id():
             raise TransportError(f"{self.name}: peer {info['agent']} is not on this host")
         if info["agent"] in self._peers:
-            return info["agent"]
+            if self._peers[info["agent"]].dead is None:
+                return info["agent"]
+            self.disconnect(info["agent"])  # a dead connection: dial again
         sock = self._dial(info["address"])
         try:
             sock.settimeout(self.timeout)
@@ -227,7 +230,8 @@ class StreamTransport:
         for t in peer.threads:
             self._join(t)
         peer.sock.close()
-        self._on_peer_closed(peer)
+        if not any(t.is_alive() for t in peer.threads):  # never unmap under a running copy
+            self._on_peer_closed(peer)
 
     # ------------------------------------------------------------------ transfers
     def write(self, peer: str, descs, message: bytes = b"", timeout: float | None = None) -> Transfer:
@@ -312,13 +316,7 @@ class StreamTransport:
                 if self._closing:
                     sock.close()
                     return
-                alive = []
-                for c in self._inbound:  # reap finished connections
-                    if c.thread is not None and not c.thread.is_alive():
-                        c.sock.close()
-                    else:
-                        alive.append(c)
-                self._inbound = alive + [conn]
+                self._inbound.append(conn)
             conn.thread = self._thread(self._serve, "serve", conn)
 
     def _serve(self, conn: _Inbound) -> None:
@@ -357,6 +355,12 @@ class StreamTransport:
                                               error=f"transfer {x} incomplete: {reason}"))
             conn.inflight.clear()
             _shutdown(sock)
+            with self._lock:  # after close() began, close() owns the socket
+                owned = not self._closing
+                if owned:
+                    self._inbound.remove(conn)
+            if owned:
+                sock.close()
 
     # ------------------------------------------------------------ backend hooks
     def _listen(self) -> tuple[socket.socket, object]:

@@ -232,6 +232,15 @@ class NixlTransport:
         remote, rtype = side.rows(d[:, 1], d[:, 2], "destination")
         t = Transfer(next(self._ids), peer, bytes(message), int(d[:, 2].sum()),
                      time.monotonic() + (self.timeout if timeout is None else timeout))
+        if not len(d):  # a notification alone: DONE once handed to NIXL, which sends it as the
+            # sender's agent progresses (any later poll of a transfer or of notifications)
+            try:
+                with self._lock:
+                    agent.send_notif(peer, t.message)
+                t._resolve(None)
+            except Exception as e:
+                t._resolve(TransferFailed(f"nixl could not send the notification: {e}"))
+            return t
         with self._lock:
             try:
                 h = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, ltype),

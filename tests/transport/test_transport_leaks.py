@@ -41,6 +41,7 @@ def roundtrip(tx, rx, peer, descs, i: int) -> None:
         deadline = time.monotonic() + 10
         while (t.status() is Status.PENDING or msg not in got) and time.monotonic() < deadline:
             got += [n.message for n in rx.notifications()]
+            tx.notifications()  # the sender's agent must progress too (a notification alone)
             time.sleep(0.0002)
         t.wait(0)
         assert msg in got
@@ -69,6 +70,15 @@ def test_repeated_transfers_keep_rss_and_fds_flat(backend, core_name, transports
     rx.notifications()
     assert fds() == f0
     assert rss() - r0 < 4 * MiB, f"RSS grew by {(rss() - r0) / MiB:.1f} MiB"
+
+
+@pytest.mark.parametrize("backend,core_name", pairs())
+def test_a_write_without_bytes_is_a_notification(backend, core_name, transports):
+    core = get_core(core_name)
+    rx, tx = transports(backend, core), transports(backend, core)
+    rx.register(rx.allocate(4096).region)
+    peer = tx.connect(rx.endpoint())
+    roundtrip(tx, rx, peer, np.empty((0, 3), np.uint64), 7)
 
 
 @pytest.mark.parametrize("backend,core_name", pairs(nixl=False))
