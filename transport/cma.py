@@ -16,7 +16,8 @@ import os
 import numpy as np
 
 from transport import _core
-from transport._stream import StreamTransport, _Peer
+from transport._common import _Peer
+from transport._stream import StreamTransport
 from transport.base import Transfer
 
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)

@@ -15,7 +15,8 @@ import os
 
 import numpy as np
 
-from transport._stream import StreamTransport, _addr, _Inbound, _Peer
+from transport._common import _addr, _Inbound, _Peer
+from transport._stream import StreamTransport
 from transport.base import Buffer, Region, Transfer
 from transport.layout import RegionTable
 

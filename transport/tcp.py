@@ -15,7 +15,8 @@ import struct
 import numpy as np
 
 from transport import _wire
-from transport._stream import StreamTransport, _Inbound, _Peer
+from transport._common import _Inbound, _Peer
+from transport._stream import StreamTransport
 from transport.base import Notification, PeerLost, RegionError, Transfer
 
 _MLEN = struct.Struct("<I")
