@@ -61,7 +61,8 @@ def test_create_does_no_io():
 def test_package_is_this_distribution_and_reports_its_core():
     assert Path(transport.__file__).resolve().parent == REPO / "transport"
     assert transport.IMPLEMENTATION in ("c", "python")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = {k: v for k, v in os.environ.items() if k != "PDR_TRANSPORT_PURE"}
+    env["PYTHONPATH"] = str(REPO)
     code = "import transport; print(transport.IMPLEMENTATION)"
     pure = subprocess.run([sys.executable, "-c", code], env=dict(env, PDR_TRANSPORT_PURE="1"),
                           capture_output=True, text=True, check=True)
