@@ -221,6 +221,11 @@ class NixlTransport:
             self._peers[name] = side
         return name
 
+    def disconnect(self, name: str) -> None:
+        with self._lock:
+            if self._peers.pop(name, None) is not None and self._nixl is not None:
+                self._nixl.remove_remote_agent(name)
+
     # ------------------------------------------------------------------ transfers
     def write(self, peer: str, descs, message: bytes = b"", timeout: float | None = None) -> Transfer:
         agent = self._agent()

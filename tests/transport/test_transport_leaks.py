@@ -125,3 +125,25 @@ def test_core_functions_do_not_leak(name):
         layout.build_descriptors(sb, sb + np.uint64(1 << 40), 4096, 4096, ids, ids, core=core)
         core.copy_batch(copy)
     assert rss() - r0 < 2 * MiB  # one result is 192 KiB: a leak of each would be 57 MiB
+
+
+@pytest.mark.parametrize("backend,core_name", pairs())
+def test_disconnect_then_reconnect(backend, core_name, transports):
+    from transport.base import TransportError
+
+    core = get_core(core_name)
+    rx, tx = transports(backend, core), transports(backend, core)
+    dst, src = rx.allocate(MiB), tx.allocate(MiB)
+    rx.register(dst.region)
+    tx.register(src.region)
+    src.array[:] = 9
+    descs = np.array([[src.region.addr, dst.region.addr, MiB]], np.uint64)
+    peer = tx.connect(rx.endpoint())
+    roundtrip(tx, rx, peer, descs, 1)
+    tx.disconnect(peer)
+    with pytest.raises(TransportError, match="not connected"):
+        tx.write(peer, descs, b"x")
+    dst.array[:] = 0
+    assert tx.connect(rx.endpoint()) == peer
+    roundtrip(tx, rx, peer, descs, 2)
+    assert (dst.array == 9).all()
