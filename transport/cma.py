@@ -55,8 +55,9 @@ def _allow_ptrace() -> None:
 class CmaTransport(StreamTransport):
     name = "cma"
     same_host = True
-    # One thread reaches about 0.6x of memcpy: the kernel pins and maps the peer's pages 16 at a
-    # time. Two threads (the C releases the GIL) recover it; pass threads=1 to keep one core.
+    # One thread reaches about 0.6-0.7x of memcpy: the kernel pins each page of the peer before
+    # copying it. Two threads (the C releases the GIL) recover part of that for descriptors of
+    # 64 KiB or more; pass threads=1 to keep to one core.
     default_threads = min(2, os.cpu_count() or 1)
 
     def _listen(self):
