@@ -83,3 +83,52 @@ def test_descriptors_outside_registered_memory_are_refused(backend, core_name, s
     expect = np.full(MiB, FILL, dtype=np.uint8)
     expect[:4096] = 7
     assert np.array_equal(rx.dump(tmp_path), expect)
+
+
+@pytest.mark.parametrize("backend,core_name", pairs(nixl=False))
+def test_concurrent_writers_to_one_peer(backend, core_name, transports):
+    """Several threads write disjoint blocks to one peer at once (a connector's worker pool)."""
+    import threading
+
+    core = get_core(core_name)
+    rx, tx = transports(backend, core), transports(backend, core, threads=2)
+    dst, src = rx.allocate(8 * MiB), tx.allocate(8 * MiB)
+    rx.register(dst.region)
+    tx.register(src.region)
+    src.array[:] = np.random.default_rng(2).integers(0, 256, src.array.size, dtype=np.uint8)
+    dst.array[:] = FILL
+    peer = tx.connect(rx.endpoint())
+    perm = np.random.default_rng(3).permutation(128)  # 64 KiB blocks, 32 per thread
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        try:
+            for j in range(4):
+                ids = np.arange(k * 32 + j * 8, k * 32 + j * 8 + 8)
+                d = layout.build_descriptors([src.region.addr], [dst.region.addr], 64 * KiB, 64 * KiB,
+                                             ids, perm[ids], core=core)
+                tx.write(peer, d, f"w{k}-{j}".encode()).wait(30)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors
+    got = sorted(rx.wait_notification(timeout=10).message for _ in range(16))
+    assert got == sorted(f"w{k}-{j}".encode() for k in range(4) for j in range(4))
+    expect = src.array.reshape(128, -1)[np.argsort(perm)].reshape(-1)
+    assert np.array_equal(dst.array, expect)
+
+
+def test_shm_destination_must_come_from_allocate(transports):
+    rx, tx = transports("shm"), transports("shm")
+    foreign = np.zeros(MiB, dtype=np.uint8)  # ordinary memory: the sender cannot map it
+    rx.register(Region(foreign.ctypes.data, MiB))
+    src = tx.allocate(MiB)
+    tx.register(src.region)
+    peer = tx.connect(rx.endpoint())
+    with pytest.raises(RegionError):
+        tx.write(peer, np.array([[src.region.addr, foreign.ctypes.data, 16]], np.uint64))

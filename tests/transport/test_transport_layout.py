@@ -152,3 +152,14 @@ def test_region_table_rejects_spans_outside():
             table.check(np.array([bad], dtype=np.uint64), 0, "x")
     with pytest.raises(RegionError, match="overlaps"):
         table.add(Region(1050, 100))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40), st.integers(1, 40)),
+                min_size=1, max_size=8), st.integers(1, 70))
+def test_split_keeps_every_byte_in_order(rows, parts):
+    descs = np.array(rows, dtype=np.uint64)
+    pieces = layout.split(descs, parts)
+    assert len(pieces) == min(parts, int(descs[:, 2].sum()))
+    assert all(len(p) and (p[:, 2] > 0).all() for p in pieces)
+    assert expand(np.concatenate(pieces)) == expand(descs)
