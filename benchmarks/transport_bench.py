@@ -1,0 +1,188 @@
+"""KV transport benchmark: one table per run.
+
+    PYTHONPATH=. python benchmarks/transport_bench.py [--size-mib 1024] [--repeat 3]
+
+1. memcpy ceiling: the C core's memcpy batch in this process, destination blocks randomly permuted
+   (the same descriptors the backends get), per block size (the row shows the best seen).
+2. Each backend that runs here: 1 GiB from this process into a receiver process, destination
+   blocks randomly permuted, timed from write() to the receiver's acknowledgement (nixl: to
+   DONE). Runs alternate with ceiling runs of the same block size; best of --repeat each; the
+   cell is backend / ceiling (GB/s in brackets).
+3. Descriptor build for 1,000 blocks x 64 layers, permuted: C core, Python twin, plain numpy.
+The machine is shared and noisy: compare ratios, not absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import mmap
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from transport import _core, layout  # noqa: E402
+from transport.base import Buffer, Region  # noqa: E402
+from transport.select import available, create  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+BLOCKS = (4 * KiB, 64 * KiB, MiB)
+UCX_ENV = {"UCX_NET_DEVICES": "lo"}
+
+
+def serve(backend: str, nbytes: int) -> None:
+    """Receiver: allocate, fault in and register nbytes, print the endpoint, drain notifications."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # NIXL logs to stdout
+    t = create(backend, **({"ucx_env": UCX_ENV} if backend == "nixl" else {}))
+    t.start()
+    buf = t.allocate(nbytes)
+    buf.array[:] = 0
+    t.register(buf.region)
+    out.write(f"{base64.b64encode(t.endpoint()).decode()} {buf.region.addr}\n")
+    out.flush()
+    os.set_blocking(0, False)
+    while True:  # until the parent closes our stdin
+        try:
+            if os.read(0, 1) == b"":
+                break
+        except BlockingIOError:
+            pass
+        if backend == "nixl":
+            t.notifications()
+            time.sleep(0.0002)
+        else:
+            try:
+                t.wait_notification(timeout=0.2)
+            except TimeoutError:
+                pass
+    t.close()
+
+
+def anon(nbytes: int) -> Buffer:
+    mm = mmap.mmap(-1, nbytes)
+    view = np.frombuffer(mm, dtype=np.uint8)
+    addr = int(view.ctypes.data)
+    del view
+    return Buffer(mm, Region(addr, nbytes))
+
+
+def permuted(src: int, dst: int, nbytes: int, block: int, rng) -> np.ndarray:
+    n = nbytes // block
+    return layout.build_descriptors([src], [dst], block, block, np.arange(n), rng.permutation(n))
+
+
+def best(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def bench_backend(backend: str, src, nbytes: int, repeat: int, rng, memcpy, **kw):
+    """Per block size: (backend rate, memcpy rate), runs alternating between the two so that both
+    see the same moments of a shared machine; best of ``repeat`` each. ``memcpy(block)`` times
+    one ceiling run."""
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", backend, str(nbytes)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        blob, addr = proc.stdout.readline().split()
+        tx = create(backend, **({"ucx_env": UCX_ENV} if backend == "nixl" else {}), **kw)
+        tx.start()
+        try:
+            tx.register(src.region)
+            peer = tx.connect(base64.b64decode(blob))
+            out = {}
+            for block in BLOCKS:
+                descs = permuted(src.region.addr, int(addr), nbytes, block, rng)
+                t_mem, t_back = [], []
+                for _ in range(repeat):
+                    t_mem.append(memcpy(block))
+                    t_back.append(best(lambda: tx.write(peer, descs, b"b", timeout=120).wait(), 1))
+                out[block] = (nbytes / min(t_back), nbytes / min(t_mem))
+            return out
+        finally:
+            tx.close()
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mib", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--backends", default="shm,cma,tcp,nixl")
+    ap.add_argument("--serve", nargs=2, metavar=("BACKEND", "NBYTES"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(args.serve[0], int(args.serve[1]))
+
+    nbytes, rng = args.size_mib * MiB, np.random.default_rng(0)
+    here = available()
+    print(f"transport bench: {args.size_mib} MiB per transfer, best of {args.repeat}, "
+          f"core={_core.IMPLEMENTATION}, {os.cpu_count()} CPUs")
+    src, dst = anon(nbytes), anon(nbytes)
+    src.array[:] = 1
+    dst.array[:] = 0
+    ceiling: dict[int, float] = {}
+    ceiling_descs = {b: permuted(src.region.addr, dst.region.addr, nbytes, b, rng) for b in BLOCKS}
+
+    def memcpy(block: int) -> float:
+        t = best(lambda: _core.copy_batch(ceiling_descs[block]), 1)
+        ceiling[block] = max(ceiling.get(block, 0.0), nbytes / t)
+        return t
+
+    for b in BLOCKS:  # warm up
+        memcpy(b)
+    results = {}
+    for backend in args.backends.split(","):
+        ok, why = here[backend]
+        threads = getattr(create(backend), "threads", 1) if backend in ("cma", "shm") else 0
+        label = f"{backend} ({threads} copy thread{'s' * (threads > 1)})" if threads else backend
+        results[label] = bench_backend(backend, src, nbytes, args.repeat, rng, memcpy) if ok else why
+        if ok and threads > 1:  # also show what one thread does
+            results[f"{backend} (1 copy thread)"] = bench_backend(backend, src, nbytes, args.repeat,
+                                                                   rng, memcpy, threads=1)
+    dst.close()
+    src.close()
+
+    head = "| path | " + " | ".join(f"{b // KiB} KiB" if b < MiB else "1 MiB" for b in BLOCKS) + " |"
+    rows = [head, "|---" * (len(BLOCKS) + 1) + "|",
+            "| memcpy ceiling (best in run), GB/s | " + " | ".join(f"{ceiling[b] / 1e9:.2f}" for b in BLOCKS)
+            + " |"]
+    for backend, got in results.items():
+        if isinstance(got, str):
+            rows.append(f"| {backend} | not available here: {got} |")
+        else:
+            rows.append(f"| {backend}: x ceiling (GB/s) | " + " | ".join(
+                f"{got[b][0] / got[b][1]:.2f} ({got[b][0] / 1e9:.2f})" for b in BLOCKS) + " |")
+
+    planes, blocks, bb = 64, 1000, 64 * KiB
+    sb = np.arange(planes, dtype=np.uint64) * np.uint64(blocks * bb) + np.uint64(1 << 30)
+    db, si, di = sb + np.uint64(1 << 40), rng.permutation(blocks), rng.permutation(blocks)
+    build = {}
+    for name, fn in (("C", lambda: layout.build_descriptors(sb, db, bb, bb, si, di, core=_core.load("c"))),
+                     ("Python twin", lambda: layout.build_descriptors(sb, db, bb, bb, si, di,
+                                                                      core=_core.load("python"))),
+                     ("numpy", lambda: layout.build_descriptors_numpy(sb, db, bb, bb, si, di))):
+        build[name] = best(fn, 20 if name != "Python twin" else 3) * 1e3
+    print()
+    print("\n".join(rows))
+    print()
+    print(f"descriptor build, {blocks} blocks x {planes} layers, permuted ({planes * blocks} descriptors):")
+    print("| C | Python twin | numpy |\n|---|---|---|")
+    print("| " + " | ".join(f"{build[k]:.3f} ms" for k in ("C", "Python twin", "numpy")) + " |")
+
+
+if __name__ == "__main__":
+    main()
