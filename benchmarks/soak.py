@@ -105,7 +105,7 @@ async def main(args) -> int:
     argv = [sys.executable, "-m", "router.cli", "serve", "--mode", args.mode, "--threshold", "64",
             "--port", str(port), "--tokenizer", str(ensure_tiny_model()), "--log-level", "warning",
             "--prefill-timeout", "3", "--first-byte-timeout", "3", "--idle-timeout", "3",
-            "--push-decode-grace", "3", "--on-prefill-failure", "retry", "--breaker-failures", "50"]
+            "--push-decode-grace", "3", "--request-timeout", "10", "--on-prefill-failure", "retry", "--breaker-failures", "50"]
     for e in engines[:2]:
         argv += ["--prefill", f"{e.url}?engine_id={e.engine_id}&kv_host=127.0.0.1&kv_port={e.kv_port}"]
     for e in engines[2:]:

@@ -95,7 +95,7 @@ class Settings:
     prefill_timeout: float = 900.0
     first_byte_timeout: float = 900.0
     idle_timeout: float = 300.0
-    request_timeout: float | None = None
+    request_timeout: float | None = 3600.0  # whole request; the only bound on a non-streamed decode leg
     on_prefill_failure: str = "error"
     prefill_retries: int = 1
     decode_retries: int = 1

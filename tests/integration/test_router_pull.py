@@ -51,6 +51,11 @@ def body_for(kind: str, prompt: str, stream: bool) -> dict:
     return b
 
 
+def reference_body(body: dict) -> dict:
+    """The same request, non-streamed, for the monolithic reference instance."""
+    return {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+
+
 def call(url: str, kind: str, body: dict) -> tuple[str, list | None, dict]:
     """(text, token ids if reported, usage) of one request, stream or not."""
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
@@ -85,7 +90,7 @@ def test_router_matches_single_instance(stack, sources, kind, stream, length):
     prompt = unique(SHORT if length == "short" else LONG)
     body = body_for(kind, prompt, stream)
     p_before, d_before = sources(pair.prefill.url), sources(pair.decode.url)
-    ref_text, ref_ids, ref_usage = call(mono.url, kind, {**body, "stream": False})
+    ref_text, ref_ids, ref_usage = call(mono.url, kind, reference_body(body))
     text, ids, usage = call(url, kind, body)
     assert text == ref_text
     if ref_ids is not None and ids is not None:

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from tests.integration.routerproc import router_process
-from tests.integration.test_router_pull import LONG, MAX_TOKENS, THRESHOLD, body_for, call, unique
+from tests.integration.test_router_pull import LONG, MAX_TOKENS, THRESHOLD, body_for, call, reference_body, unique
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +40,7 @@ def test_push_matches_single_instance(push_stack, sources, kind, stream):
     total = 0
     for _ in range(n_req):
         body = body_for(kind, unique(LONG), stream)
-        ref_text, ref_ids, ref_usage = call(mono.url, kind, {**body, "stream": False})
+        ref_text, ref_ids, ref_usage = call(mono.url, kind, reference_body(body))
         text, ids, usage = call(url, kind, body)
         assert text == ref_text
         if ref_ids is not None and ids is not None:
