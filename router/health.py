@@ -94,8 +94,8 @@ class HealthChecker:
 
     async def _loop(self) -> None:
         while True:
+            self._wake.clear()  # before probing: a poke during the probes is not lost
             await self.probe_all()
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self._interval)
             except TimeoutError:
