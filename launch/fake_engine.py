@@ -13,8 +13,9 @@ Generation is deterministic: ``max_tokens`` (or ``max_completion_tokens``, defau
 " t0", " t1", ... each one token, finish_reason "length"; a prompt counts ceil(chars / 4) tokens
 (chat: over the concatenated message contents; a token-id prompt counts its ids).
 Timing: a plain or prefill leg waits ``prefill_s_per_char * chars + ttft_extra_s`` before the
-first token; a decode leg (``kv_transfer_params.do_remote_prefill``) waits ``kv_transfer_s``
-instead; then one token every ``itl_s``. A non-streamed answer takes as long as the stream would.
+first token; a pull decode leg (``kv_transfer_params.do_remote_prefill`` with block ids) waits
+``kv_transfer_s`` instead; a push decode leg (no block ids yet: P prefills concurrently) waits
+both, as if P were configured like this fake; then one token every ``itl_s``. A non-streamed answer takes as long as the stream would.
 
 Every request is recorded (``FakeEngine.requests``) and ``FakeEngine.fault`` injects failures.
 The HTTP layer lives in ``launch/fake_engine_http.py``; this module holds the engine logic.
@@ -338,6 +339,10 @@ class FakeEngine:
         try:
             if rec.leg == "decode":
                 wait = self.kv_transfer_s
+                if body["kv_transfer_params"].get("remote_block_ids") is None:
+                    # push: P prefills concurrently and D cannot decode before P has written
+                    # the KV; P and D fakes are configured alike, so wait P's prefill time.
+                    wait += self.prefill_s_per_char * chars + self.ttft_extra_s
                 self.tokens_by_source["external_kv_transfer"] += n_prompt
                 cached = n_prompt
             else:

@@ -69,6 +69,19 @@ async def _watched(request: Request, coro):
     raise ClientGone()
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body larger than {limit} bytes")
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(f"request body larger than {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
 @api.post("/v1/completions")
 async def completions(request: Request) -> Response:
     return await handle(request, "completions", "/v1/completions")
@@ -98,9 +111,7 @@ async def handle(request: Request, kind: str, path: str) -> Response:
         st.in_flight += 1
         m.in_flight_total.inc()
         admitted = True
-        raw = await request.body()
-        if len(raw) > s.max_body_bytes:
-            raise PayloadTooLarge(f"request body larger than {s.max_body_bytes} bytes")
+        raw = await _read_body(request, s.max_body_bytes)
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:

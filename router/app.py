@@ -16,6 +16,7 @@ from router.api import api, error_response
 from router.discovery import Discovery
 from router.dispatch import DirectDispatch, Env, make_dispatcher
 from router.errors import BadRequest, RouterError, error_body
+from router.breaker import Breaker
 from router.health import HealthChecker
 from router.metrics import Metrics
 from router.policies import make_policy
@@ -35,7 +36,7 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, registry
     async def lifespan(app: FastAPI):
         m = metrics or Metrics()
         reg = registry or Registry(max_instances=settings.max_instances,
-                                   on_change=lambda ev, inst: _on_registry_change(m, ev, inst))
+                                   on_change=lambda ev, inst: _on_registry_change(m, settings, ev, inst))
         for spec in settings.prefill:
             reg.add_static("prefill", spec)
         for spec in settings.decode:
@@ -100,8 +101,10 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, registry
     return app
 
 
-def _on_registry_change(m: Metrics, event: str, inst) -> None:
-    if event == "removed":
+def _on_registry_change(m: Metrics, settings: Settings, event: str, inst) -> None:
+    if event == "added" and settings.breaker_failures > 0:
+        inst.breaker = Breaker(settings.breaker_failures, settings.breaker_cooldown)
+    elif event == "removed":
         m.forget_instance(inst.role, inst.url)
     elif event == "expired":
         m.expiries.labels(inst.role).inc()

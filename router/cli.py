@@ -47,6 +47,8 @@ SERVE_FLAGS = [
     ("--on-prefill-failure", "on_prefill_failure", str, "what to do when a prefill leg fails", {"choices": PREFILL_FAILURE_POLICIES}),
     ("--prefill-retries", "prefill_retries", int, "other prefill instances to try (retry policy)", {}),
     ("--decode-retries", "decode_retries", int, "other decode instances to try before the first byte", {}),
+    ("--breaker-failures", "breaker_failures", int, "consecutive failures that open an instance's circuit (0 = off)", {}),
+    ("--breaker-cooldown", "breaker_cooldown", float, "seconds an open circuit waits before a probe request", {}),
     ("--max-inflight", "max_inflight", int, "requests in flight before 429 (0 = unlimited)", {}),
     ("--max-body-bytes", "max_body_bytes", int, "largest request body accepted", {}),
     ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' from clients", {}),
@@ -71,20 +73,29 @@ def _parse_bool(text: str) -> bool:
     return text.strip().lower() in ("1", "true", "yes", "on")
 
 
+class _Unset:
+    def __repr__(self) -> str:
+        return "(unset)"
+
+
+UNSET = _Unset()
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for flag, _field, typ, help_, extra in SERVE_FLAGS:
         if typ is bool:
-            p.add_argument(flag, action="store_true", default=None, help=help_ + f" [env {_env_name(flag)}]")
+            p.add_argument(flag, action="store_true", default=UNSET, help=help_ + f" [env {_env_name(flag)}]")
         else:
-            p.add_argument(flag, type=typ, default=None, help=help_ + f" [env {_env_name(flag)}]", **extra)
+            default = None if extra.get("action") == "append" else UNSET  # append needs a list or None
+            p.add_argument(flag, type=typ, default=default, help=help_ + f" [env {_env_name(flag)}]", **extra)
 
 
 def settings_from_args(args: argparse.Namespace, environ: dict | None = None) -> Settings:
     env = os.environ if environ is None else environ
     values = {}
     for flag, field, typ, _help, extra in SERVE_FLAGS:
-        value = getattr(args, field if field not in ("allowed_networks",) else "allowed_network", None)
-        if value is None:
+        value = getattr(args, field if field not in ("allowed_networks",) else "allowed_network", UNSET)
+        if value is UNSET or (value is None and extra.get("action") == "append"):
             raw = env.get(_env_name(flag))
             if raw is not None and raw != "":
                 try:
@@ -98,8 +109,8 @@ def settings_from_args(args: argparse.Namespace, environ: dict | None = None) ->
                     raise SystemExit(f"pd-router: bad {_env_name(flag)}={raw!r}: {exc}") from None
                 if "choices" in extra and value not in extra["choices"]:
                     raise SystemExit(f"pd-router: {_env_name(flag)} must be one of {', '.join(extra['choices'])}")
-        if value is None:
-            continue
+            else:
+                continue
         if extra.get("action") == "append":
             value = tuple(value)
         values[field] = value

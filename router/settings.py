@@ -98,6 +98,8 @@ class Settings:
     on_prefill_failure: str = "error"
     prefill_retries: int = 1
     decode_retries: int = 1
+    breaker_failures: int = 5
+    breaker_cooldown: float = 10.0
     push_decode_grace: float = 30.0
     # admission and security
     max_inflight: int = 0

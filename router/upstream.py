@@ -29,11 +29,12 @@ class Reply:
 class Stream:
     """An open streaming response whose status was 200. Iterate raw bytes; always aclose()."""
 
-    def __init__(self, resp: httpx.Response, stage: str, idle_timeout: float | None):
+    def __init__(self, resp: httpx.Response, stage: str, idle_timeout: float | None, deadline: float | None = None):
         self._resp = resp
         self.stage = stage
         self.headers = resp.headers
         self._idle = idle_timeout
+        self.deadline = deadline  # loop time by which the whole stream must end (request timeout)
         self._it = resp.aiter_raw()
         self.closed = False
 
@@ -49,16 +50,20 @@ class Stream:
     async def chunks(self) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         idle = self._idle
+        hard = self.deadline
         try:
-            async with asyncio.timeout(None) as deadline:
+            async with asyncio.timeout(hard) as timer:
                 while True:
                     if idle is not None:
-                        deadline.reschedule(loop.time() + idle)
+                        when = loop.time() + idle
+                        timer.reschedule(when if hard is None or when < hard else hard)
                     chunk = await self._next()
                     if not chunk:
                         return
                     yield chunk
         except TimeoutError:
+            if hard is not None and loop.time() >= hard:
+                raise UpstreamTimeout("request timeout reached while streaming", stage=self.stage) from None
             raise UpstreamTimeout(f"{self.stage} stream idle for more than {idle:g}s", stage=self.stage) from None
 
     async def _next(self) -> bytes:
@@ -108,7 +113,7 @@ class Upstream:
         return reply
 
     async def open_stream(self, url: str, body: bytes, headers: dict, *, timeout: float | None,
-                          idle_timeout: float | None, stage: str) -> Stream:
+                          idle_timeout: float | None, stage: str, deadline: float | None = None) -> Stream:
         """POST and wait for response headers (within `timeout`); an error status raises UpstreamStatus."""
         req = self._client.build_request("POST", url, content=body, headers=headers)
         try:
@@ -127,7 +132,7 @@ class Upstream:
             finally:
                 await resp.aclose()
             raise UpstreamStatus(resp.status_code, raw, stage=stage)
-        return Stream(resp, stage, idle_timeout)
+        return Stream(resp, stage, idle_timeout, deadline)
 
     async def aclose(self) -> None:
         await self._client.aclose()

@@ -80,7 +80,10 @@ class Env:
             cands = [c for c in cands if c.key not in exclude] or cands
         if not cands:
             raise NoInstance(f"no healthy {role} instance" + (f" serves model {job.model!r}" if job.model else ""))
-        return (self.prefill_policy if role == "prefill" else self.decode_policy).pick(cands, job.request_id)
+        inst = (self.prefill_policy if role == "prefill" else self.decode_policy).pick(cands, job.request_id)
+        if inst.breaker is not None:
+            inst.breaker.on_pick(self.registry.now())
+        return inst
 
     def headers(self, role: str, job: Job) -> dict[str, str]:
         h = {"content-type": "application/json", "x-request-id": job.request_id}
@@ -112,7 +115,11 @@ class Env:
 
         return release
 
-    def record_result(self, inst: Instance, ok: bool) -> None:
+    def record_result(self, inst: Instance, exc: BaseException | None = None) -> None:
+        """Feed the instance's breaker: success, or a failure that is the instance's fault."""
+        if exc is not None and not instance_fault(exc):
+            return
+        ok = exc is None
         if inst.breaker is not None:
             inst.breaker.record(ok, self.registry.now())
         inst.failures = 0 if ok else inst.failures + 1
@@ -155,8 +162,11 @@ async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes) -> tuple[S
     url = inst.url + job.path
     headers = env.headers("decode", job)
     if job.stream:
+        deadline = None
+        if s.request_timeout:
+            deadline = asyncio.get_running_loop().time() + s.request_timeout - (time.perf_counter() - job.t0)
         stream = await env.upstream.open_stream(url, body, headers, timeout=s.first_byte_timeout,
-                                                idle_timeout=s.idle_timeout, stage="decode")
+                                                idle_timeout=s.idle_timeout, stage="decode", deadline=deadline)
         try:
             first = await stream.first(s.first_byte_timeout)
         except BaseException:
@@ -167,7 +177,8 @@ async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes) -> tuple[S
             await stream.aclose()
             raise UpstreamError(f"decode instance sent a bad stream: {problem}", stage="decode", code="bad_stream")
         return stream, first
-    reply = await env.upstream.post(url, body, headers, timeout=s.request_timeout, stage="decode")
+    timeout = s.request_timeout - (time.perf_counter() - job.t0) if s.request_timeout else None
+    reply = await env.upstream.post(url, body, headers, timeout=timeout, stage="decode")
     return None, reply.body
 
 
@@ -202,6 +213,11 @@ async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes) -> dict:
     if not isinstance(doc, dict):
         raise UpstreamError("prefill instance answered with a non-object", stage="prefill", code="bad_json")
     return doc
+
+
+def instance_fault(exc: BaseException) -> bool:
+    """Did the instance fail (as opposed to the request being bad)?"""
+    return isinstance(exc, UpstreamError) and getattr(exc, "engine_status", 502) >= 500
 
 
 def is_retryable(exc: BaseException) -> bool:

@@ -30,7 +30,7 @@ async def run_decode_only(env: Env, job: Job, exclude: set | None = None) -> Out
             stream, first = await decode_leg(env, job, inst, body)
         except RouterError as exc:
             release()
-            env.record_result(inst, False)
+            env.record_result(inst, exc)
             count_error(env, exc, "decode")
             tried.add(inst.key)
             if attempt + 1 < attempts and is_retryable(exc) and len(env.registry.candidates("decode", job.model)) > 1:
@@ -40,6 +40,6 @@ async def run_decode_only(env: Env, job: Job, exclude: set | None = None) -> Out
         except BaseException:
             release()
             raise
-        env.record_result(inst, True)
+        env.record_result(inst)
         return Outcome(decode=inst, body=first, stream=stream, cleanups=[release])
     raise AssertionError("unreachable")

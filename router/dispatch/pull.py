@@ -52,7 +52,7 @@ class PullDispatch:
                 stream, first = await decode_leg(env, job, d_inst, decode_body(job.body, kv))
             except RouterError as exc:
                 release()
-                env.record_result(d_inst, False)
+                env.record_result(d_inst, exc)
                 count_error(env, exc, "decode")
                 tried_d.add(d_inst.key)
                 if attempt + 1 < attempts and is_retryable(exc) and len(env.registry.candidates("decode", job.model)) > 1:
@@ -62,7 +62,7 @@ class PullDispatch:
             except BaseException:
                 release()
                 raise
-            env.record_result(d_inst, True)
+            env.record_result(d_inst)
             done = asyncio.get_running_loop().create_future()
             done.set_result(p_doc)
             return Outcome(decode=d_inst, body=first, stream=stream, prefill=p_inst, prefill_reply=done,
@@ -88,7 +88,7 @@ class PullDispatch:
             try:
                 doc = await prefill_leg(env, job, p_inst, body)
             except RouterError as exc:
-                env.record_result(p_inst, False)
+                env.record_result(p_inst, exc)
                 count_error(env, exc, "prefill")
                 tried.add(p_inst.key)
                 if not is_retryable(exc):
@@ -102,6 +102,6 @@ class PullDispatch:
                 raise
             finally:
                 release()
-            env.record_result(p_inst, True)
+            env.record_result(p_inst)
             return p_inst, doc
         raise AssertionError("unreachable")

@@ -114,7 +114,7 @@ class PushDispatch:
                 raise exc
             if d_task not in done:
                 # P answered first: D must now produce its first byte within a bounded time.
-                env.record_result(p, True)
+                env.record_result(p)
                 grace = env.settings.push_decode_grace if job.stream else env.settings.request_timeout
                 try:
                     async with asyncio.timeout(grace):
@@ -133,7 +133,7 @@ class PushDispatch:
             release_p()
             release_d()
             raise
-        env.record_result(d, True)
+        env.record_result(d)
         p_task.add_done_callback(lambda t: self._prefill_done(t, p, release_p))
         return Outcome(decode=d, body=first, stream=stream, prefill=p, prefill_reply=p_task, t_handoff=t_launch,
                        cleanups=[release_d, lambda: _cancel(p_task)])
@@ -144,12 +144,12 @@ class PushDispatch:
             return
         exc = task.exception()
         if exc is None:
-            self.env.record_result(p, True)
+            self.env.record_result(p)
         elif isinstance(exc, RouterError):
             self._fail(p, exc, "prefill")
 
     def _fail(self, inst: Instance, exc: BaseException, stage: str) -> None:
-        self.env.record_result(inst, False)
+        self.env.record_result(inst, exc)
         if isinstance(exc, RouterError):
             count_error(self.env, exc, stage)
 

@@ -223,10 +223,11 @@ async def test_timing_lower_bounds():
         t0 = time.monotonic()
         await c.post(e.url + "/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 5})
         assert time.monotonic() - t0 >= 0.1 + 4 * 0.02
-        # a decode leg skips prefill: no lower bound to check, but it must still answer
+        # a push decode leg (no block ids) cannot start before P's prefill would be done
+        t0 = time.monotonic()
         r = await c.post(e.url + "/v1/completions", json={"prompt": "x" * 1000, "max_tokens": 1,
                          "kv_transfer_params": {"do_remote_prefill": True}})
-        assert r.status_code == 200
+        assert r.status_code == 200 and time.monotonic() - t0 >= 0.1
 
 
 async def test_fault_status_count_and_legs(engine, client):

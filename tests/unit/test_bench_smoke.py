@@ -1,0 +1,103 @@
+"""The benchmark's load generator and report against a fake engine: requests, tokens and errors
+are counted right. No timing assertions: only counts and shapes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import report
+from benchmarks.loadgen import LoadGen, percentile, summarize
+from launch.fake_engine import FakeEngine, Fault
+
+
+@pytest.fixture
+async def engine():
+    async with FakeEngine(itl_s=0.002) as e:
+        yield e
+
+
+async def test_closed_loop_counts_requests_and_tokens(engine):
+    gen = LoadGen(engine.url, prompt_chars=200, max_tokens=8)
+    results = await gen.closed_loop(concurrency=4, duration=1.0)
+    gen.close()
+    assert len(results) >= 4
+    assert all(r.error is None and r.status == 200 and r.done for r in results)
+    assert all(r.tokens == 8 and len(r.gaps) == 7 for r in results)
+    assert len(engine.requests) == len(results)
+    assert engine.generation_tokens == 8 * len(results)
+    assert engine.connections_accepted == 4  # one keep-alive connection per worker
+    bodies = [q.body for q in engine.requests]
+    assert all(b["stream"] is True and b["max_tokens"] == 8 and len(b["prompt"]) == 200 for b in bodies)
+    assert len({b["prompt"] for b in bodies}) == len(bodies)  # distinct prompts
+    s = summarize(results, min(r.t_start for r in results), 0.0, 1.0)
+    assert s["requests_total"] == s["ok"] == len(results) and s["errors"] == 0
+    assert s["tokens_total"] == 8 * len(results)
+    assert s["ttft_p50_ms"] > 0 and s["itl_p99_ms"] >= s["itl_p50_ms"]
+
+
+async def test_open_loop_sends_rate_times_duration(engine):
+    gen = LoadGen(engine.url, prompt_chars=50, max_tokens=2)
+    results = await gen.open_loop(rate=20, duration=0.5)
+    gen.close()
+    assert len(results) == math.ceil(20 * 0.5)
+    assert len(engine.requests) == len(results)
+    assert all(r.error is None and r.tokens == 2 for r in results)
+
+
+@pytest.mark.parametrize("fault, expect", [
+    (Fault(status=503, count=2), "status 503"),
+    (Fault(drop_after_chunks=3, count=2), "connection"),
+    (Fault(garbage=True, count=2), "tokens"),
+])
+async def test_errors_are_counted(engine, fault, expect):
+    engine.fault = fault
+    gen = LoadGen(engine.url, prompt_chars=50, max_tokens=5)
+    results = [await gen.one() for _ in range(5)]
+    gen.close()
+    errors = [r.error for r in results if r.error is not None]
+    assert len(errors) == 2 and all(expect in e for e in errors), errors
+    assert all(r.tokens == 5 for r in results if r.error is None)
+    s = summarize(results, min(r.t_start for r in results), 0.0, 10.0)
+    assert s["errors"] == 2 and s["ok"] == 3
+
+
+async def test_request_timeout_is_an_error(engine):
+    engine.fault = Fault(hang=True, count=1)
+    gen = LoadGen(engine.url, prompt_chars=10, max_tokens=1, timeout=0.2)
+    r = await gen.one()
+    ok = await gen.one()
+    gen.close()
+    assert r.error is not None and "no complete answer" in r.error
+    assert ok.error is None and ok.tokens == 1
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(map(float, range(101))), 99) == 99.0
+
+
+def _summary(ttft: float, itl: float, tok_s: float, errors: int = 0) -> dict:
+    return {"ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "itl_p99_ms": itl, "e2e_p50_ms": 600.0,
+            "tok_per_s": tok_s, "requests_total": 100, "errors": errors, "run_wall_s": 10.0,
+            "loadgen_cpu_s": 1.0, "cpu_s": {"router": 0.5, "fakes": 1.0}}
+
+
+def test_report_table_rows():
+    def point(c, router_itl):
+        return {"kind": "closed", "concurrency": c, "rate": None,
+                "direct": _summary(20.0, 11.0, 100.0 * c), "router": _summary(25.0, router_itl, 90.0 * c)}
+    results = {"config": {"concurrency": [1, 64], "rates": []}, "modes": {
+        "pull": {"points": [point(1, 12.0), point(64, 20.0)]},
+        "push": {"error": "router exited with 1\ntraceback"}}}
+    text = report.table(results)
+    lines = text.splitlines()
+    assert len(lines) == 4
+    assert "added TTFT p50 c=64" in lines[0]
+    pull = lines[2].split(" | ")
+    assert pull[1:4] == ["+5.0", "+5.0", "+10.0"]  # p50 +5 at both; p99 50 - 40 at c=64
+    assert pull[4] == "5.00 / 5.00"  # 0.5 CPU s over 100 requests
+    assert pull[5] == "90 (c=1; direct 100)"  # c=64 breaks the ITL budget (+9 ms)
+    assert "not run: router exited with 1" in lines[3]
