@@ -174,6 +174,10 @@ class Discovery:
             return None
 
     def _accept(self, reg: Registration) -> Instance:
+        static = self._registry.get(reg.role, reg.url)
+        if static is not None and static.source == "static":  # configuration wins over a ping
+            self._metrics.heartbeats.inc()
+            return static
         attrs = {"connector": reg.connector, "transfer_mode": reg.transfer_mode}
         if reg.model is not None:
             attrs["model"] = reg.model

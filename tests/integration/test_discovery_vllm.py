@@ -25,7 +25,6 @@ from launch.engine_args import EngineSpec, render_argv, render_env
 from launch.tiny_model import SERVED_NAME as MODEL
 from launch.tiny_model import ensure_tiny_model
 from tests.conftest import free_port
-from tests.integration.routerproc import router_process
 
 pytestmark = pytest.mark.integration
 
@@ -66,6 +65,26 @@ def register(ping: str, role: str, spec: EngineSpec, log: Path):
     argv = [sys.executable, "-m", "router.cli", "register", "--router", ping, "--role", role, "--url", spec.url,
             "--interval", "1", "--transfer-mode", "pull", "--connector", "NixlConnector"]
     return spawn(argv, log, {**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+@contextlib.contextmanager
+def router(args: list[str], log: Path):
+    """`pd-router serve` with no instance yet: /health is 503 until one registers, so wait for
+    /instances instead."""
+    port = free_port()
+    argv = [sys.executable, "-m", "router.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args]
+    url = f"http://127.0.0.1:{port}"
+    with spawn(argv, log, {**os.environ, "PYTHONPATH": str(ROOT)}) as proc:
+        wait_until(lambda: _answers(url + "/instances"), 120, "the router to serve /instances", (proc,))
+        assert httpx.get(url + "/health", timeout=10).status_code == 503  # nothing registered yet
+        yield url
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def wait_until(predicate, timeout: float, what: str, procs=()):
@@ -109,7 +128,7 @@ def test_registration_only_topology_survives_a_decode_restart(model_path, tmp_pa
             str(HEARTBEAT_TIMEOUT), "--health-interval", "1"]  # no --prefill/--decode, no --tokenizer
     endpoint = f"tcp://127.0.0.1:{ping}"
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(router_process(args, log_path=tmp_path / "router.log"))
+        url = stack.enter_context(router(args, tmp_path / "router.log"))
         assert instances(url) == {}
         p = stack.enter_context(vllm(p_spec, tmp_path / "prefill.log"))
         d = stack.enter_context(vllm(d_spec, tmp_path / "decode.log"))

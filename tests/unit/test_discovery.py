@@ -297,5 +297,13 @@ async def test_static_and_registered_share_one_registry(tiny_model_path):
             for _ in range(4):
                 assert (await complete(c)).status_code == 200
             assert completion_legs(d0) and completion_legs(d1)
+            async with dealer(ping_endpoint(app)) as sock:  # a ping for a static instance changes nothing
+                await sock.send(pack(payload("moriio", "decode", d0)))
+                # one DEALER delivers in order: once the marker is registered, d0's ping was handled
+                await sock.send(pack(payload("p2p-nccl", "decode", d0, http_address="127.0.0.1:9")))
+                await until(lambda: _has(c, "http://127.0.0.1:9"), what="the marker registered")
+            by_url = {i["url"]: i for i in await instances(c)}
+            assert by_url[d0.url]["source"] == "static" and by_url[d0.url]["zmq_address"] is None
         await until(lambda: _gone(c, d1.url), what="registered one expired")
         assert d0.url in await urls(c)  # static instances never expire
+

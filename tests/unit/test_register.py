@@ -123,3 +123,44 @@ async def test_token_from_the_environment(tiny_model_path, tmp_path):
         async with sidecar(tmp_path, "--router", ping_endpoint(app), "--role", "decode", "--url", d.url,
                            env={"PD_ROUTER_REGISTRATION_TOKEN": "tok"}):
             await until(lambda: _has(c, d.url), timeout=60)
+
+
+def test_serve_discovery_flags_and_environment():
+    from router.cli import build_parser, settings_from_args
+
+    def settings(argv, env=None):
+        return settings_from_args(build_parser().parse_args(["serve", *argv]), env or {})
+
+    s = settings(["--ping-port", "36367", "--heartbeat-timeout", "4.5", "--registration-token", "t",
+                  "--allowed-network", "10.0.0.0/8", "--allowed-network", "fd00::/8", "--max-instances", "64"])
+    assert (s.ping_port, s.heartbeat_timeout, s.registration_token, s.allowed_networks, s.max_instances) == (
+        36367, 4.5, "t", ("10.0.0.0/8", "fd00::/8"), 64)
+    s = settings([], {"PD_ROUTER_PING_PORT": "30001", "PD_ROUTER_ALLOWED_NETWORK": "10.0.0.0/8,192.168.0.0/16",
+                      "PD_ROUTER_REGISTRATION_TOKEN": "e"})
+    assert (s.ping_port, s.allowed_networks, s.registration_token) == (30001, ("10.0.0.0/8", "192.168.0.0/16"), "e")
+    assert settings([]).ping_port == 0  # off by default
+    for argv in (["--allowed-network", "10.0.0.0/33"], ["--heartbeat-timeout", "0"], ["--ping-port", "70000"]):
+        with pytest.raises(SystemExit):
+            settings(argv)
+
+
+async def test_ping_port_in_use_fails_startup_cleanly(tiny_model_path):
+    import zmq
+
+    from router.app import create_app
+    from router.settings import Settings
+
+    port = free_port()
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.ROUTER)
+    taken.setsockopt(zmq.LINGER, 0)
+    try:
+        taken.bind(f"tcp://127.0.0.1:{port}")
+        app = create_app(Settings(tokenizer=str(tiny_model_path), ping_port=port))
+        with pytest.raises(OSError, match="cannot bind the ping port"):
+            async with app.router.lifespan_context(app):
+                pass
+        assert [t for t in asyncio.all_tasks() if t.get_name().startswith("pdr-")] == []  # nothing left running
+    finally:
+        taken.close(0)
+        ctx.term()
