@@ -16,9 +16,10 @@ import uuid
 import orjson
 from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from router.dispatch import DirectDispatch, Job
+from router.fastpath import RelayResponse
 from router.errors import BadRequest, ModelNotFound, NoInstance, Overloaded, PayloadTooLarge, RouterError, Unauthorized
 from router.planning import DISAGGREGATED, plan
 from router.relay import Tally, stream_body, whole_body
@@ -84,16 +85,17 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 @api.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    return await handle(request, "completions", "/v1/completions")
+    """OpenAI completions (served by the fast path in `router.fastpath`; declared here for OpenAPI)."""
+    return await handle(request.app.state.pdr, request, "completions", "/v1/completions")
 
 
 @api.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    return await handle(request, "chat", "/v1/chat/completions")
+    """OpenAI chat completions (served by the fast path in `router.fastpath`; declared here for OpenAPI)."""
+    return await handle(request.app.state.pdr, request, "chat", "/v1/chat/completions")
 
 
-async def handle(request: Request, kind: str, path: str) -> Response:
-    st: AppState = request.app.state.pdr
+async def handle(st: AppState, request: Request, kind: str, path: str):
     s = st.settings
     m = st.metrics
     rid = None
@@ -174,8 +176,7 @@ async def handle(request: Request, kind: str, path: str) -> Response:
 
     headers.update(SSE_HEADERS)
     itl = m.itl.labels(route, s.mode if route == DISAGGREGATED else "none")
-    return StreamingResponse(stream_body(outcome, job, tally, itl, finish), media_type="text/event-stream",
-                             headers=headers)
+    return RelayResponse(stream_body(outcome, job, tally, itl, finish), headers)
 
 
 def _outcome_of(err: RouterError) -> str:

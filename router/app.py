@@ -12,8 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
-from router.api import api, error_response
+from router.api import api, error_response, handle
 from router.discovery import Discovery
+from router.fastpath import RouterASGI
 from router.dispatch import DirectDispatch, Env, make_dispatcher
 from router.errors import BadRequest, RouterError, error_body
 from router.breaker import Breaker
@@ -31,7 +32,7 @@ log = logging.getLogger("pd_router")
 
 def create_app(settings: Settings, *, upstream: Upstream | None = None, registry: Registry | None = None,
                metrics: Metrics | None = None, tokens: TokenCounter | None = None,
-               start_background: bool = True) -> FastAPI:
+               start_background: bool = True) -> RouterASGI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         m = metrics or Metrics()
@@ -98,7 +99,7 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, registry
         return Response(orjson.dumps(error_body("internal router error", "internal_error")), status_code=500,
                         media_type="application/json")
 
-    return app
+    return RouterASGI(app, handle)
 
 
 def _on_registry_change(m: Metrics, settings: Settings, event: str, inst) -> None:

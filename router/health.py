@@ -20,14 +20,16 @@ log = logging.getLogger("pd_router.health")
 
 
 class HealthChecker:
-    def __init__(self, registry: Registry, upstream: Upstream, *, interval: float = 5.0, timeout: float = 3.0,
-                 on_model: Callable[[Instance], None] | None = None, probe_registered: bool = True):
+    def __init__(self, registry: Registry, upstream: Upstream, *, interval: float = 5.0, timeout: float = 5.0,
+                 on_model: Callable[[Instance], None] | None = None, probe_registered: bool = True,
+                 failures_to_down: int = 2):
         self._registry = registry
         self._upstream = upstream
         self._interval = interval
         self._timeout = timeout
         self._on_model = on_model
         self._probe_registered = probe_registered
+        self._failures_to_down = failures_to_down
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
@@ -63,12 +65,19 @@ class HealthChecker:
             log.debug("probe %s %s failed: %s", inst.role, inst.url, exc.message)
         except Exception:  # noqa: BLE001 - a probe must never kill the loop
             log.exception("probe %s %s crashed", inst.role, inst.url)
-        if self._registry.get(inst.role, inst.url) is inst:
-            if inst.healthy and not ok:
-                log.warning("%s instance %s is down; out of rotation", inst.role, inst.url)
-            elif not inst.healthy and ok:
+        if self._registry.get(inst.role, inst.url) is not inst:
+            return ok
+        misses = 0 if ok else inst.meta.get("probe_misses", 0) + 1
+        inst.meta["probe_misses"] = misses
+        if ok:
+            if not inst.healthy:
                 log.info("%s instance %s is back", inst.role, inst.url)
-            self._registry.set_health(inst, ok)
+            self._registry.set_health(inst, True)
+        elif misses >= self._failures_to_down or inst.model is None:
+            # one missed probe on a busy instance is not an outage; an instance never seen up is down
+            if inst.healthy:
+                log.warning("%s instance %s is down; out of rotation", inst.role, inst.url)
+            self._registry.set_health(inst, False)
         return ok
 
     async def _learn_models(self, inst: Instance) -> None:

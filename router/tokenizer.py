@@ -109,6 +109,7 @@ def block_torch() -> None:
     """
     if "torch" not in sys.modules:
         sys.modules["torch"] = None  # `import torch` now raises ImportError; find_spec returns None
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
 
 
 _LOAD_LOCK = threading.Lock()

@@ -12,8 +12,11 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model_path():
     from launch.tiny_model import ensure_tiny_model
+    from router.tokenizer import _load
 
-    return ensure_tiny_model()
+    path = ensure_tiny_model()
+    _load(str(path))  # warm the process-wide tokenizer cache: the first load can take seconds
+    return path
 
 
 def free_port() -> int:

@@ -21,10 +21,10 @@ async def topology(tokenizer, n_prefill=1, n_decode=1, engine_kw=None, p_kw=None
     """Fake P and D engines (strict) behind a router. Yields (client, url, prefills, decodes, app)."""
     ledger: dict = {}
     engine_kw = engine_kw or {}
-    ps = [FakeEngine(role="prefill", engine_id=f"prefill-{i}", kv_port=5600 + i, strict=True, ledger=ledger,
-                     **{**engine_kw, **(p_kw or {})}) for i in range(n_prefill)]
-    ds = [FakeEngine(role="decode", engine_id=f"decode-{i}", strict=True, ledger=ledger,
-                     **{**engine_kw, **(d_kw or {})}) for i in range(n_decode)]
+    ps = [FakeEngine(**{"role": "prefill", "engine_id": f"prefill-{i}", "kv_port": 5600 + i, "strict": True,
+                        "ledger": ledger, **engine_kw, **(p_kw or {})}) for i in range(n_prefill)]
+    ds = [FakeEngine(**{"role": "decode", "engine_id": f"decode-{i}", "strict": True, "ledger": ledger,
+                        **engine_kw, **(d_kw or {})}) for i in range(n_decode)]
     async with contextlib.AsyncExitStack() as stack:
         for e in (*ps, *ds):
             await stack.enter_async_context(e)

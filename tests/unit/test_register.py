@@ -157,6 +157,7 @@ async def test_ping_port_in_use_fails_startup_cleanly(tiny_model_path):
     try:
         taken.bind(f"tcp://127.0.0.1:{port}")
         app = create_app(Settings(tokenizer=str(tiny_model_path), ping_port=port))
+        app = getattr(app, "app", app)  # the FastAPI app behind the raw-ASGI fast path
         with pytest.raises(OSError, match="cannot bind the ping port"):
             async with app.router.lifespan_context(app):
                 pass
