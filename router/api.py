@@ -22,7 +22,7 @@ from router.dispatch import DirectDispatch, Job
 from router.fastpath import RelayResponse
 from router.errors import BadRequest, ModelNotFound, NoInstance, Overloaded, PayloadTooLarge, RouterError, Unauthorized
 from router.planning import DISAGGREGATED, plan
-from router.relay import Tally, stream_body, whole_body
+from router.relay import Tally, ask_usage, stream_body, whole_body
 from router.state import AppState
 from router.validation import check_body, check_context, check_request_id, is_batch
 
@@ -126,8 +126,11 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
         if model is not None and known and model not in known:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         stream = bool(body.get("stream"))
+        strip_usage = False
+        if stream:
+            body, strip_usage = ask_usage(body)
         job = Job(kind=kind, path=path, body=body, stream=stream, request_id=rid, prompt_tokens=0,
-                  model=model, t0=t0, auth=request.headers.get("authorization"))
+                  model=model, t0=t0, auth=request.headers.get("authorization"), strip_usage=strip_usage)
         tt = time.perf_counter()
         job.prompt_tokens = await st.tokens.count(kind, body)
         m.tokenize.observe(time.perf_counter() - tt)
@@ -143,12 +146,7 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
     except RouterError as err:
         tally = Tally()
         tally.error = err
-        outcome_label = _outcome_of(err)
-        if err.status < 500 and not isinstance(err, (Overloaded, NoInstance)):
-            m.errors.labels("client", err.kind).inc()
-        elif isinstance(err, (Overloaded, NoInstance)):
-            m.errors.labels("router", err.kind).inc()
-        _finish(st, job, route, tally, outcome_label, err, admitted)
+        _finish(st, job, route, tally, _outcome_of(err), err, admitted, rid=rid)
         return error_response(err, rid)
     except BaseException:
         if admitted:
@@ -189,7 +187,15 @@ def _outcome_of(err: RouterError) -> str:
     return "client_error"
 
 
-def _finish(st: AppState, job, route: str, tally: Tally, outcome: str, err, admitted: bool, out=None) -> None:
+def _stage_of(err: RouterError) -> str:
+    stage = getattr(err, "stage", None)  # UpstreamError: prefill | decode
+    if stage:
+        return stage
+    return "router" if isinstance(err, (Overloaded, NoInstance)) or err.status >= 500 else "client"
+
+
+def _finish(st: AppState, job, route: str, tally: Tally, outcome: str, err, admitted: bool, out=None,
+            rid: str | None = None) -> None:
     m = st.metrics
     s = st.settings
     now = time.perf_counter()
@@ -198,9 +204,15 @@ def _finish(st: AppState, job, route: str, tally: Tally, outcome: str, err, admi
         st.in_flight -= 1
         m.in_flight_total.dec()
     m.requests.labels(route, mode, outcome).inc()
+    if err is not None:
+        if not err.counted:  # a failed leg was counted by dispatch; everything else once, here
+            err.counted = True
+            m.errors.labels(_stage_of(err), err.kind).inc()
+    elif outcome == "cancelled":
+        m.errors.labels("client", "disconnected").inc()
     if job is None:
         if err is not None and log.isEnabledFor(logging.INFO):
-            st.access_log(None, route, None, None, 0, None, None, err.status, outcome, err)
+            st.access_log(rid, route, None, None, 0, None, None, err.status, outcome, err)
         return
     e2e = now - job.t0
     m.e2e.labels(route, mode, outcome).observe(e2e)

@@ -24,6 +24,7 @@ class RouterError(Exception):
     status = 500
     type = "internal_error"
     code: str | None = None
+    counted = False  # set once pd_router_errors_total has counted this error (dispatch or api)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)

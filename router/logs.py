@@ -12,8 +12,8 @@ import orjson
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         msg = record.getMessage()
-        if record.name == "pd_router.access" and msg.startswith("{"):
-            return msg
+        if record.name == "pd_router.access" and msg.startswith("{"):  # already a JSON object: stamp it
+            return f'{{"ts":{round(record.created, 3)},"level":"{record.levelname.lower()}",' + msg[1:]
         doc = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name, "msg": msg}
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)

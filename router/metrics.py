@@ -1,10 +1,11 @@
 """Every pd-router metric, declared once, on a per-app registry.
 
 Naming: `pd_router_` prefix, base units in the name (`_seconds`, `_tokens`), counters
-end in `_total`. Labels are bounded: route (direct|disaggregated), mode (pull|push),
-connector, outcome (ok|client_error|upstream_error|timeout|cancelled|overloaded), stage
-(prefill|decode|client|router), kind (a bounded error code), role and instance (only
-instances in the registry; removed with them).
+end in `_total`. Labels are bounded: route (direct|disaggregated), mode (pull|push|none),
+outcome (ok|client_error|upstream_error|timeout|cancelled|overloaded), stage
+(prefill|decode|client|router), kind (a bounded error code), role and engine (the URL
+of an instance in the registry, removed with it; not `instance`, which Prometheus
+reserves for the scrape target and would rename to `exported_instance`).
 
 The router runs one worker process (uvicorn workers=1); scale out with more router
 replicas behind a load balancer, so no multiprocess collector is needed.
@@ -18,6 +19,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled", "overloaded")
+ORPHAN_REASONS = ("no_kv_params", "no_decode_instance", "cancelled")
 
 
 class Metrics:
@@ -31,7 +33,9 @@ class Metrics:
         self.ttft = Histogram("pd_router_time_to_first_token_seconds",
                               "Client-observed time to first token (first byte of the answer).",
                               ["route", "mode"], buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("pd_router_inter_token_latency_seconds", "Gap between streamed chunks sent to the client.",
+        self.itl = Histogram("pd_router_inter_token_latency_seconds",
+                             "Gap between streamed events sent to the client (one observation per event after "
+                             "the first; events arriving in one read share its gap).",
                              ["route", "mode"], buckets=ITL_BUCKETS, registry=r)
         self.e2e = Histogram("pd_router_request_duration_seconds", "End-to-end request latency.",
                              ["route", "mode", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
@@ -46,15 +50,18 @@ class Metrics:
                                      ["route"], registry=r)
         self.prompt_tokens_hist = Histogram("pd_router_prompt_length_tokens", "Prompt length distribution.",
                                             ["route"], buckets=TOKEN_BUCKETS, registry=r)
-        self.output_tokens = Counter("pd_router_output_tokens_total", "Output tokens relayed (from engine usage).",
+        self.output_tokens = Counter("pd_router_output_tokens_total",
+                                     "Output tokens relayed (completion_tokens of the engine's usage; streams always "
+                                     "ask the decode leg for usage).",
                                      ["route"], registry=r)
-        self.in_flight = Gauge("pd_router_in_flight_requests", "Requests in flight per engine instance.",
-                               ["role", "instance"], registry=r)
+        self.in_flight = Gauge("pd_router_in_flight_requests", "Legs in flight per engine instance (role, engine URL).",
+                               ["role", "engine"], registry=r)
         self.in_flight_total = Gauge("pd_router_requests_in_flight", "Client requests in flight.", registry=r)
         self.errors = Counter("pd_router_errors_total", "Errors by stage and kind.", ["stage", "kind"], registry=r)
         self.orphans = Counter("pd_router_orphaned_prefills_total",
-                               "Prefills that answered but whose decode leg was never sent (blocks pinned until lease expiry).",
-                               registry=r)
+                               "Pull: prefills that answered but whose decode leg was never sent or was abandoned "
+                               "before D answered (P's blocks stay pinned until its lease expires).",
+                               ["reason"], registry=r)
         self.retries = Counter("pd_router_retries_total", "Legs retried on another instance.", ["stage"], registry=r)
         self.fallbacks = Counter("pd_router_prefill_fallbacks_total",
                                  "Requests run decode-only after a prefill failure.", registry=r)
@@ -68,7 +75,7 @@ class Metrics:
         self.instances = Gauge("pd_router_instances", "Known instances by role and health.", ["role", "healthy"],
                                registry=r)
         self.breaker_open = Gauge("pd_router_circuit_open", "1 while an instance's circuit breaker is open.",
-                                  ["role", "instance"], registry=r)
+                                  ["role", "engine"], registry=r)
         self.goodput = Counter("pd_router_slo_goodput_requests_total",
                                "Finished requests meeting both the TTFT and the ITL target.", ["route"], registry=r)
         self.slo_requests = Counter("pd_router_slo_requests_total",

@@ -36,21 +36,49 @@ class Tally:
         self.chunks = 0
         self._last = 0.0
 
-    def tick(self, now: float, t0: float, itl_hist) -> None:
+    def tick(self, now: float, t0: float, itl_hist, events: int = 1) -> None:
+        """`events` SSE events (tokens) reached the client in one read at `now`.
+
+        The first event sets TTFT; every later one is one ITL observation, the events of
+        one read sharing its gap evenly (so the count is events - 1 per stream however
+        TCP coalesced them, and the sum is the time from the first to the last event).
+        """
+        if events <= 0:
+            return
         if self.ttft is None:
             self.ttft = now - t0
+            self.chunks = 1
+            events -= 1
+            share = 0.0
         else:
-            gap = now - self._last
-            self.gaps += gap
-            if gap > self.max_gap:
-                self.max_gap = gap
-            itl_hist.observe(gap)
+            share = (now - self._last) / events
+        for _ in range(events):
+            itl_hist.observe(share)
+        if events:
+            self.gaps += share * events
+            if share > self.max_gap:
+                self.max_gap = share
+            self.chunks += events
         self._last = now
-        self.chunks += 1
 
     @property
     def mean_itl(self) -> float | None:
         return self.gaps / (self.chunks - 1) if self.chunks > 1 else None
+
+
+def ask_usage(body: dict) -> tuple[dict, bool]:
+    """Streams always ask the decode leg for usage, so output tokens are counted for every
+    stream. Returns (body to send, strip): strip means the client did not ask, so the
+    usage-only event is dropped again on the way back (continuous_usage_stats, which needs
+    include_usage anyway, is dropped with it)."""
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        return body, False
+    if so and so.get("include_usage"):
+        return body, False
+    so = {k: v for k, v in (so or {}).items() if k != "continuous_usage_stats"}
+    so["include_usage"] = True
+    return {**body, "stream_options": so}, True
 
 
 async def prefill_details(outcome: Outcome) -> tuple[bool, object]:
@@ -104,13 +132,18 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
     try:
         chunk = outcome.body
         chunks = stream.chunks()
+        strip = job.strip_usage
         while True:
+            quiet = 0  # events that are not tokens: a usage-only event, [DONE]
             if b"usage" in chunk or pending:
-                chunk, pending = await _rewrite_usage(pending + chunk, outcome, tally, fix)
-            if DONE in chunk[-16:]:
-                seen_done = True
+                chunk, pending, quiet = await _rewrite_usage(pending + chunk, outcome, tally, fix, strip)
             if chunk:
-                tally.tick(time.perf_counter(), t0, itl_hist)
+                # an SSE event starts a line; JSON escapes newlines, so this cannot match inside one
+                events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ") - quiet
+                if DONE in chunk[-16:]:
+                    seen_done = True
+                    events -= 1
+                tally.tick(time.perf_counter(), t0, itl_hist, events)
                 yield chunk
             try:
                 chunk = await chunks.__anext__()
@@ -133,15 +166,21 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
         finish(tally)
 
 
-async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool) -> tuple[bytes, bytes]:
-    """Rewrite complete SSE events that carry usage; keep an incomplete tail pending."""
+async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool,
+                         strip: bool) -> tuple[bytes, bytes, int]:
+    """Rewrite complete SSE events that carry usage; keep an incomplete tail pending.
+
+    Returns (bytes to send, pending tail, usage-only events kept in the bytes sent).
+    `strip`: drop usage-only events (the router asked for them, the client did not).
+    """
     cut = data.rfind(b"\n\n")
     if cut < 0:
-        return b"", data
+        return b"", data, 0
     complete, rest = data[: cut + 2], data[cut + 2:]
     if b'"usage":{' not in complete and b'"usage": {' not in complete:
-        return complete, rest
+        return complete, rest, 0
     out = []
+    quiet = 0
     for event in complete.split(b"\n\n"):
         if event.startswith(b"data: {") and b'"usage"' in event:
             try:
@@ -153,9 +192,13 @@ async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool)
             if isinstance(usage, dict):
                 if isinstance(usage.get("completion_tokens"), int):
                     tally.output_tokens = usage["completion_tokens"]
+                if not doc.get("choices"):
+                    if strip:
+                        continue
+                    quiet += 1
                 if fix:
                     known, details = await prefill_details(outcome)
                     if known and fix_usage_doc(doc, details):
                         event = b"data: " + orjson.dumps(doc)
         out.append(event)
-    return b"\n\n".join(out), rest
+    return b"\n\n".join(out), rest, quiet

@@ -56,4 +56,10 @@ class AppState:
         if self.settings.log_format == "json":
             access.info(orjson.dumps(rec).decode())
         else:
-            access.info(" ".join(f"{k}={v}" for k, v in rec.items()))
+            access.info(" ".join(f"{k}={_text(v)}" for k, v in rec.items()))
+
+
+def _text(v) -> str:
+    """key=value text: values with spaces or quotes are JSON-quoted so the line splits cleanly."""
+    v = "-" if v is None else str(v)
+    return orjson.dumps(v).decode() if (" " in v or '"' in v or "=" in v) else v

@@ -41,6 +41,7 @@ class Job:
     t0: float = field(default_factory=time.perf_counter)
     route: str = "direct"
     auth: str | None = None  # client's Authorization, forwarded only if configured
+    strip_usage: bool = False  # the router asked D for stream usage; drop the usage event for the client
 
 
 @dataclass
@@ -229,4 +230,6 @@ def is_retryable(exc: BaseException) -> bool:
 
 
 def count_error(env: Env, exc: RouterError, stage: str) -> None:
+    """Count a failed leg (retried ones too); the api counts whatever reaches it uncounted."""
     env.metrics.errors.labels(stage, exc.kind).inc()
+    exc.counted = True

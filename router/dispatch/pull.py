@@ -8,7 +8,8 @@
 4. pick a decode instance D; send the ORIGINAL body plus P's kv_transfer_params verbatim
 5. relay D's answer; if D fails before its first byte, try another D with a fresh prefill
    (P's blocks were handed to the failed D). Once P answered, the decode leg is always sent
-   or counted in pd_router_orphaned_prefills_total.
+   or counted in pd_router_orphaned_prefills_total{reason}; so is a request cancelled
+   (client gone) after P answered and before D answered.
 """
 
 from __future__ import annotations
@@ -38,14 +39,14 @@ class PullDispatch:
                 return await run_decode_only(env, job)
             kv = p_doc.get("kv_transfer_params") if self._kv is not None else None
             if self._kv is not None and not isinstance(kv, dict):
-                env.metrics.orphans.inc()
+                env.metrics.orphans.labels("no_kv_params").inc()
                 raise UpstreamError("prefill instance returned no kv_transfer_params (is it running a KV connector "
                                     "with kv_role kv_producer?)", stage="prefill", code="no_kv_params")
             t_handoff = time.perf_counter()
             try:
                 d_inst = env.pick("decode", job, tried_d)
             except RouterError:
-                env.metrics.orphans.inc()
+                env.metrics.orphans.labels("no_decode_instance").inc()
                 raise
             release = env.lease(d_inst)
             try:
@@ -59,8 +60,9 @@ class PullDispatch:
                     env.metrics.retries.labels("decode").inc()
                     continue
                 raise
-            except BaseException:
+            except BaseException:  # cancelled (client gone) after P answered, before D did
                 release()
+                env.metrics.orphans.labels("cancelled").inc()
                 raise
             env.record_result(d_inst)
             done = asyncio.get_running_loop().create_future()

@@ -121,8 +121,10 @@ class PushDispatch:
                         await asyncio.shield(d_task)
                 except TimeoutError:
                     await _cancel(d_task)
-                    raise UpstreamTimeout(f"decode instance did not start within {grace:g}s after the prefill "
-                                          "answered (push never completed?)", stage="decode") from None
+                    err = UpstreamTimeout(f"decode instance did not start within {grace:g}s after the prefill "
+                                          "answered (push never completed?)", stage="decode")
+                    count_error(env, err, "decode")
+                    raise err from None
                 except RouterError as exc:
                     self._fail(d, exc, "decode")
                     raise

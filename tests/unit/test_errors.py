@@ -137,7 +137,7 @@ async def test_prefill_without_kv_params_is_an_error(tiny_model_path, monkeypatc
         assert "kv_transfer_params" in err["message"]
         assert completion_legs(ds[0]) == []
         m = await c.get("/metrics")
-        assert "pd_router_orphaned_prefills_total 1.0" in m.text
+        assert 'pd_router_orphaned_prefills_total{reason="no_kv_params"} 1.0' in m.text
 
 
 async def test_no_decode_instance_is_503(tiny_model_path):

@@ -34,4 +34,4 @@ async def test_counts_and_ttft_histogram(tiny_model_path):
         assert m[("pd_router_prefill_leg_seconds_count", (("mode", "pull"),))] == 3
         assert m[("pd_router_output_tokens_total", (("route", "disaggregated"),))] == 9
         assert m[("pd_router_requests_in_flight", ())] == 0
-        assert m[("pd_router_in_flight_requests", (("instance", ds[0].url), ("role", "decode")))] == 0
+        assert m[("pd_router_in_flight_requests", (("engine", ds[0].url), ("role", "decode")))] == 0

@@ -69,7 +69,7 @@ async def test_breaker_opens_and_traffic_moves(tiny_model_path):
         assert view[ds[0].url]["circuit"] == "open"
         assert view[ds[1].url]["circuit"] == "closed"
         m = (await c.get("/metrics")).text
-        assert f'pd_router_circuit_open{{instance="{ds[0].url}",role="decode"}} 1.0' in m
+        assert f'pd_router_circuit_open{{engine="{ds[0].url}",role="decode"}} 1.0' in m
         ds[0].fault = None
         await asyncio.sleep(0.6)  # cool-down: half-open, one probe closes it again
         for _ in range(4):

@@ -1,0 +1,89 @@
+"""launch.up: argument handling, the specs and the router command it renders (no vLLM)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+
+import pytest
+
+from launch import up
+from launch.engine_args import kv_transfer_config, render_env
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    up.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_defaults():
+    a = parse()
+    assert (a.mode, a.router_port, a.host, a.threshold, a.model) == ("pull", 8000, "127.0.0.1", 512, None)
+    assert a.cpu_patch is False and a.device == "cpu"
+
+
+def test_pull_specs_and_router_command():
+    a = parse("--mode", "pull", "--threshold", "64", "--router-port", "8123")
+    p, d = up.build_specs(a, "/models/tiny", "tiny-llama")
+    assert kv_transfer_config(p)["kv_connector"] == "NixlConnector"
+    assert (p.kv_role, d.kv_role) == ("kv_producer", "kv_consumer")
+    ports = {p.port, d.port, p.kv_port, d.kv_port}
+    assert len(ports) == 4 and 8123 not in ports
+    argv = up.router_argv(a, p, d, "/models/tiny")
+    assert argv[:4] == [sys.executable, "-m", "router.cli", "serve"]
+    assert flag(argv, "--mode") == "pull"
+    assert flag(argv, "--threshold") == "64"
+    assert flag(argv, "--prefill") == p.url
+    assert flag(argv, "--decode") == d.url
+    assert flag(argv, "--tokenizer") == "/models/tiny"
+    assert flag(argv, "--port") == "8123"
+
+
+def test_push_prefill_url_has_coordinates():
+    a = parse("--mode", "push")
+    p, d = up.build_specs(a, "/m", "tiny-llama")
+    cfg = kv_transfer_config(p)
+    assert cfg["kv_connector"] == "NixlPushConnector" and cfg["engine_id"] == "prefill-0"
+    url = flag(up.router_argv(a, p, d, "/m"), "--prefill")
+    assert url == (f"http://127.0.0.1:{p.port}?engine_id=prefill-0&kv_host=127.0.0.1"
+                   f"&kv_port={p.kv_port}&tp=1&pp=1")  # fmt: skip
+
+
+def test_cpu_patch_and_cores_reach_the_engines():
+    a = parse("--cpu-patch")
+    p, d = up.build_specs(a, "/m", "tiny-llama")
+    assert p.cpu_patch and d.cpu_patch
+    env_p, env_d = render_env(p, {}), render_env(d, {})
+    assert env_p["VLLM_NIXL_SIDE_CHANNEL_PORT"] != env_d["VLLM_NIXL_SIDE_CHANNEL_PORT"]
+    if len(up.os.sched_getaffinity(0)) >= 2:
+        assert env_p["VLLM_CPU_OMP_THREADS_BIND"] != env_d["VLLM_CPU_OMP_THREADS_BIND"]
+
+
+def test_gpu_flavour_uses_two_gpus_and_utilization():
+    a = parse("--device", "gpu", "--gpu-memory-utilization", "0.7")
+    p, d = up.build_specs(a, "/m", "m")
+    assert (p.gpus, d.gpus) == ("0", "1")
+    assert p.kv_cache_bytes is None and p.gpu_memory_utilization == 0.7
+    assert json.loads(json.dumps(kv_transfer_config(p)))["kv_buffer_device"] == "cuda"
+
+
+def test_router_port_in_use_is_refused_before_starting_anything(capsys, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        a = parse("--router-port", str(s.getsockname()[1]), "--run-dir", str(tmp_path))
+        assert up.run(a) == 2
+    assert "in use" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("host, expected", [("0.0.0.0", "http://127.0.0.1:8000"), ("::1", "http://[::1]:8000")])
+def test_router_url(host, expected):
+    assert up._router_url(parse("--host", host)) == expected
