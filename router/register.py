@@ -1,13 +1,16 @@
 """`pd-router register`: ping a router's registration port for a vLLM instance that does not
 ping by itself (NIXL, storage). Runs next to the instance, e.g. as a sidecar.
 
-1. wait until the instance is ready: ``GET <url>/v1/models`` answers 200 and lists the model
-   (``--model``; without it, the first model listed is taken and announced)
-2. every ``--interval`` seconds: if ``GET <url>/health`` answers 200, send pd-router's payload
-   (router/ping.py) from a DEALER socket to ``--router tcp://HOST:PORT``; a ping that cannot be
-   sent at once (router down) is dropped, never queued
-3. when the instance stops answering /health, stop pinging (the router expires it after its
-   heartbeat timeout) and go back to 1: a restarted instance is announced again
+1. wait until the instance is ready: ``GET <url>/v1/models`` lists the model (``--model``;
+   without it, the first model listed is taken and announced) and ``GET <url>/health`` is 200
+2. every ``--interval`` seconds, on a steady clock: send pd-router's payload (router/ping.py)
+   from a DEALER socket to ``--router tcp://HOST:PORT`` (a ping that cannot be sent at once,
+   router down, is dropped, never queued), then check ``GET <url>/health``
+3. the sender reports liveness; the router's own probes judge serving health. So a /health
+   that is refused or answers non-200 twice in a row (the process is gone) stops the pings,
+   while a slow one (a busy CPU engine) does not, unless it times out 10 times in a row (hung).
+   Stopped: the router expires the instance after its heartbeat timeout, and the sender goes
+   back to 1, so a restarted instance is announced again
 4. SIGTERM / SIGINT: exit 0 (nothing is sent on shutdown; the router expires the instance)
 
 Only the stdlib, msgpack and pyzmq are imported: it stays small next to a vLLM process.
@@ -21,6 +24,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -30,6 +34,8 @@ log = logging.getLogger("pd_router.register")
 
 TOKEN_ENV = "PD_ROUTER_REGISTRATION_TOKEN"
 API_KEY_ENV = "PD_ROUTER_REGISTER_API_KEY"
+DOWN_PROBES = 2  # consecutive refused / non-200 /health answers before the pings stop
+SLOW_PROBES = 10  # consecutive timed-out /health probes before the pings stop
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,21 +113,44 @@ class Sender:
                 log.error("cannot announce %s: %s", self.base, exc)
                 return 2
             log.info("%s is ready (model %s); pinging %s every %gs", self.base, model, self.args.router, interval)
+            down = slow = 0
+            next_at = time.monotonic()
             while not self.stopping.is_set():
-                if not self._get_ok("/health", timeout=min(5.0, max(1.0, interval))):
-                    log.warning("%s stopped answering /health; pings paused until it is ready again", self.base)
-                    break
                 try:
                     sock.send(payload, zmq.NOBLOCK)
                     self.sent += 1
                 except zmq.Again:
                     log.debug("router %s not connected; ping dropped", self.args.router)
-                self.stopping.wait(interval)
+                state = self._health(timeout=min(5.0, max(0.5, interval)))
+                down = down + 1 if state == "down" else 0
+                slow = slow + 1 if state == "slow" else 0
+                if down >= DOWN_PROBES or slow >= SLOW_PROBES:
+                    log.warning("%s %s; pings stopped until it is ready again", self.base,
+                                "stopped answering /health" if down else "/health hangs")
+                    break
+                next_at += interval
+                self.stopping.wait(max(0.0, next_at - time.monotonic()))
         log.info("stopped")
         return 0
 
+    def _health(self, timeout: float) -> str:
+        """"ok", "down" (refused, reset or non-200: nobody serves) or "slow" (timed out: busy or hung)."""
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=timeout) as r:  # noqa: S310
+                r.read(1024)
+                return "ok" if r.status == 200 else "down"
+        except urllib.error.HTTPError:
+            return "down"
+        except urllib.error.URLError as exc:
+            return "slow" if isinstance(exc.reason, TimeoutError) else "down"
+        except TimeoutError:
+            return "slow"
+        except (OSError, ValueError):
+            return "down"
+
     def wait_ready(self) -> str | None:
-        """Block until /v1/models lists the model; returns its name, or None when stopped/timed out."""
+        """Block until /v1/models lists the model and /health is 200; returns its name, or None when
+        stopped or timed out."""
         want = self.args.model
         budget = self.args.ready_timeout
         waited = 0.0
@@ -129,7 +158,7 @@ class Sender:
         logged = False
         while not self.stopping.is_set():
             ids = self._models()
-            if ids and (want is None or want in ids):
+            if ids and (want is None or want in ids) and self._health(timeout=5.0) == "ok":
                 return want or ids[0]
             if not logged:
                 log.info("waiting for %s to serve %s", self.base, want or "a model")
@@ -148,9 +177,6 @@ class Sender:
             return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
         except (ValueError, KeyError, TypeError):
             return []
-
-    def _get_ok(self, path: str, timeout: float) -> bool:
-        return self._get(path, timeout) is not None
 
     def _get(self, path: str, timeout: float) -> bytes | None:
         req = urllib.request.Request(self.base + path)

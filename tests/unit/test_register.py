@@ -16,7 +16,7 @@ from launch.fake_engine import FakeEngine, Fault
 from router.register import add_arguments, registration_from_args
 from router.ping import PingRejected
 from tests.conftest import free_port
-from tests.unit.pingkit import ping_endpoint, until
+from tests.unit.pingkit import metric, ping_endpoint, until
 from tests.unit.routerkit import completion_legs
 from tests.unit.test_discovery import _gone, _has, _roles, complete, instances, registered_router
 
@@ -104,6 +104,28 @@ async def test_waits_for_readiness_and_follows_the_instance(tiny_model_path, tmp
                 await until(lambda: _gone(c, url), what="pings paused, instance expired")
                 d.fault = None
                 await until(lambda: _has(c, url), what="announced again")
+
+
+async def test_a_slow_health_does_not_stop_the_pings(tiny_model_path, tmp_path):
+    """A busy CPU engine answers /health late: the sender keeps the instance registered and
+    leaves judging it to the router's probes."""
+    async with registered_router(tiny_model_path, heartbeat_timeout=2.0) as (c, app, [p], [d]):
+        async with sidecar(tmp_path, "--router", ping_endpoint(app), "--role", "decode", "--url", d.url):
+            await until(lambda: _has(c, d.url), timeout=60)
+            d.fault = Fault(delay_s=3.0, paths={"/health"})  # the sender's probe times out after 0.5 s
+            start = await _beats(c)
+            await until(lambda: _more_beats(c, start + 4), timeout=30, what="pings while /health is slow")
+            assert await _has(c, d.url)
+            assert not _log_has(tmp_path, "pings stopped")
+            d.fault = None
+
+
+async def _beats(c) -> float:
+    return metric((await c.get("/metrics")).text, "pd_router_heartbeats_total")
+
+
+async def _more_beats(c, n: float) -> bool:
+    return await _beats(c) >= n
 
 
 def _log_has(tmp_path: Path, text: str) -> bool:
