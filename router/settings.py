@@ -7,6 +7,8 @@ import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from router.moriio_ids import parse_zmq_address
+
 MODES = ("pull", "push")
 KV_CONNECTORS = ("nixl", "moriio", "storage")
 POLICIES = ("round_robin", "least_loaded")
@@ -151,6 +153,11 @@ class Settings:
             missing = [p.url for p in (*self.prefill, *self.decode) if not p.zmq_address]
             if missing:
                 raise ValueError("MoRIIO needs each static instance's zmq address (?zmq=host:..,handshake:..,notify:..): " + ", ".join(missing))
+            for p in (*self.prefill, *self.decode):
+                try:
+                    parse_zmq_address(p.zmq_address)
+                except ValueError as exc:
+                    raise ValueError(f"{p.url}: {exc}") from None
 
     def replace(self, **changes) -> "Settings":
         return dataclasses.replace(self, **changes)

@@ -134,6 +134,7 @@ def _load_uncached(source: str):
     tok = AutoTokenizer.from_pretrained(source, local_files_only=True, use_fast=True)
     if not getattr(tok, "is_fast", False):
         raise RuntimeError(f"{source}: no fast tokenizer")
+    tok.model_max_length = sys.maxsize  # we only count; the context check is the router's own
     log.info("tokenizer loaded from %s", source)
     return tok
 

@@ -2,6 +2,7 @@
 
 from router.dispatch.base import Dispatcher, Env, Job, Outcome
 from router.dispatch.direct import DirectDispatch
+from router.dispatch.moriio import MoriioReadDispatch, MoriioWriteDispatch
 from router.dispatch.pull import PullDispatch
 from router.dispatch.push import PushDispatch
 
@@ -9,6 +10,8 @@ DISPATCHERS: dict[tuple[str, str], type] = {
     ("pull", "nixl"): PullDispatch,
     ("pull", "storage"): PullDispatch,
     ("push", "nixl"): PushDispatch,
+    ("pull", "moriio"): MoriioReadDispatch,  # MoRIIO READ
+    ("push", "moriio"): MoriioWriteDispatch,  # MoRIIO WRITE
 }
 
 

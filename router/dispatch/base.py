@@ -157,11 +157,14 @@ def decode_body(body: dict, kv_params: dict | None) -> bytes:
     return orjson.dumps({**body, "kv_transfer_params": kv_params})
 
 
-async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes) -> tuple[Stream | None, bytes]:
-    """Send the decode leg; for streams, wait for the first chunk (time to first decode byte)."""
+async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes,
+                     headers: dict[str, str] | None = None) -> tuple[Stream | None, bytes]:
+    """Send the decode leg; for streams, wait for the first chunk (time to first decode byte).
+
+    `headers` override the standard ones (MoRIIO: its own X-Request-Id)."""
     s = env.settings
     url = inst.url + job.path
-    headers = env.headers("decode", job)
+    headers = {**env.headers("decode", job), **(headers or {})}
     if job.stream:
         deadline = None
         if s.request_timeout:
@@ -201,10 +204,11 @@ def check_first_event(first: bytes) -> str | None:
     return None
 
 
-async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes) -> dict:
-    """Send a prefill leg and return P's JSON answer."""
+async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes,
+                      headers: dict[str, str] | None = None) -> dict:
+    """Send a prefill leg and return P's JSON answer. `headers` override the standard ones."""
     t = time.perf_counter()
-    reply = await env.upstream.post(inst.url + job.path, body, env.headers("prefill", job),
+    reply = await env.upstream.post(inst.url + job.path, body, {**env.headers("prefill", job), **(headers or {})},
                                     timeout=env.settings.prefill_timeout, stage="prefill")
     env.metrics.prefill_leg.labels(env.settings.mode).observe(time.perf_counter() - t)
     try:

@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 from router.dispatch.base import (PREFILL_KV_PARAMS, Env, Job, Outcome, count_error, decode_body, decode_leg,
                                   is_retryable, prefill_body, prefill_leg)
 from router.dispatch.direct import run_decode_only
 from router.errors import RouterError, UpstreamError
+from router.registry import Instance
+
+
+def finished_at_first_token(p_doc: dict) -> bool:
+    choices = p_doc.get("choices")
+    return bool(choices) and isinstance(choices[0], dict) and choices[0].get("finish_reason") == "stop"
 
 
 class PullDispatch:
@@ -34,23 +41,24 @@ class PullDispatch:
         tried_d: set = set()
         attempts = 1 + max(0, env.settings.decode_retries)
         for attempt in range(attempts):
-            p_inst, p_doc = await self._prefill(job)
+            plan = self._plan(job, tried_d)
+            p_inst, p_doc = await self._prefill(job, plan)
             if p_inst is None:  # fallback: decode-only
                 return await run_decode_only(env, job)
-            kv = p_doc.get("kv_transfer_params") if self._kv is not None else None
-            if self._kv is not None and not isinstance(kv, dict):
-                env.metrics.orphans.labels("no_kv_params").inc()
-                raise UpstreamError("prefill instance returned no kv_transfer_params (is it running a KV connector "
-                                    "with kv_role kv_producer?)", stage="prefill", code="no_kv_params")
             t_handoff = time.perf_counter()
             try:
-                d_inst = env.pick("decode", job, tried_d)
-            except RouterError:
-                env.metrics.orphans.labels("no_decode_instance").inc()
+                d_body, d_headers = self._decode_request(job, p_doc, plan)
+                d_inst = self._pick_decode(job, tried_d, plan)
+            except RouterError as exc:
+                if exc.code == "no_kv_params" and finished_at_first_token(p_doc):
+                    # P's only token ended the sequence (EOS/stop): no KV was kept, nothing to hand
+                    # over. The decode instance computes the prompt itself and gives the same answer.
+                    return await run_decode_only(env, job)
+                env.metrics.orphans.labels("no_kv_params" if exc.code == "no_kv_params" else "no_decode_instance").inc()
                 raise
             release = env.lease(d_inst)
             try:
-                stream, first = await decode_leg(env, job, d_inst, decode_body(job.body, kv))
+                stream, first = await decode_leg(env, job, d_inst, d_body, d_headers)
             except RouterError as exc:
                 release()
                 env.record_result(d_inst, exc)
@@ -71,12 +79,32 @@ class PullDispatch:
                            t_handoff=t_handoff, cleanups=[release])
         raise AssertionError("unreachable")
 
-    async def _prefill(self, job: Job):
+    # Hooks: one pair attempt = _plan, then _prefill_request per P tried, then _decode_request and
+    # _pick_decode. MoRIIO READ (router/dispatch/moriio.py) overrides them: its D is chosen
+    # before the prefill leg, because both legs' X-Request-Id name it.
+    def _plan(self, job: Job, tried_d: set) -> Any:
+        return None
+
+    def _prefill_request(self, job: Job, p: Instance, plan: Any) -> tuple[bytes, dict | None]:
+        return prefill_body(job.body, self._kv), None
+
+    def _pick_decode(self, job: Job, tried_d: set, plan: Any) -> Instance:
+        return self.env.pick("decode", job, tried_d)
+
+    def _decode_request(self, job: Job, p_doc: dict, plan: Any) -> tuple[bytes, dict | None]:
+        if self._kv is None:
+            return decode_body(job.body, None), None
+        kv = p_doc.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            raise UpstreamError("prefill instance returned no kv_transfer_params (is it running a KV connector "
+                                "with kv_role kv_producer?)", stage="prefill", code="no_kv_params")
+        return decode_body(job.body, kv), None
+
+    async def _prefill(self, job: Job, plan: Any = None):
         """Run the prefill leg under the failure policy. Returns (P, answer) or (None, None) for fallback."""
         env = self.env
         policy = env.settings.on_prefill_failure
         attempts = 1 + (max(0, env.settings.prefill_retries) if policy == "retry" else 0)
-        body = prefill_body(job.body, self._kv)
         tried: set = set()
         for attempt in range(attempts):
             try:
@@ -86,9 +114,10 @@ class PullDispatch:
                     env.metrics.fallbacks.inc()
                     return None, None
                 raise
+            body, headers = self._prefill_request(job, p_inst, plan)
             release = env.lease(p_inst)
             try:
-                doc = await prefill_leg(env, job, p_inst, body)
+                doc = await prefill_leg(env, job, p_inst, body, headers)
             except RouterError as exc:
                 env.record_result(p_inst, exc)
                 count_error(env, exc, "prefill")

@@ -90,16 +90,20 @@ class PushDispatch:
                                 "push mode cannot name it to a decode instance", stage="prefill", code="no_coordinates")
         return p
 
-    async def _pair(self, job: Job, p: Instance, d: Instance) -> Outcome:
-        env = self.env
+    def _legs(self, job: Job, p: Instance, d: Instance) -> tuple[bytes, dict | None, bytes, dict | None]:
+        """(P body, P extra headers, D body, D extra headers) of one pair; MoRIIO WRITE overrides it."""
         transfer_id = f"xfer-{uuid.uuid4()}"
         p_body = prefill_body(job.body, {**PREFILL_KV_PARAMS, "transfer_id": transfer_id})
-        d_body = decode_body(job.body, push_decode_params(p, job, transfer_id))
+        return p_body, None, decode_body(job.body, push_decode_params(p, job, transfer_id)), None
+
+    async def _pair(self, job: Job, p: Instance, d: Instance) -> Outcome:
+        env = self.env
+        p_body, p_headers, d_body, d_headers = self._legs(job, p, d)
         release_p = env.lease(p)
         release_d = env.lease(d)
         t_launch = time.perf_counter()
-        p_task = asyncio.create_task(prefill_leg(env, job, p, p_body), name=f"push-prefill-{job.request_id}")
-        d_task = asyncio.create_task(decode_leg(env, job, d, d_body), name=f"push-decode-{job.request_id}")
+        p_task = asyncio.create_task(prefill_leg(env, job, p, p_body, p_headers), name=f"push-prefill-{job.request_id}")
+        d_task = asyncio.create_task(decode_leg(env, job, d, d_body, d_headers), name=f"push-decode-{job.request_id}")
         try:
             done, _ = await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
             if p_task in done and p_task.exception() is not None:

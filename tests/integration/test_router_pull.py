@@ -30,7 +30,7 @@ def unique(body: str) -> str:
     return f"# {uuid.uuid4().hex[:12]}\n{body}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def stack(monolithic, pull_pair, tmp_path_factory, tiny_model):
     log = tmp_path_factory.mktemp("router") / "router.log"
     args = ["--mode", "pull", "--threshold", str(THRESHOLD), "--prefill", pull_pair.prefill.url,

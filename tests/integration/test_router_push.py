@@ -19,7 +19,7 @@ from tests.integration.test_router_pull import LONG, MAX_TOKENS, THRESHOLD, body
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def push_stack(monolithic, push_topology, tmp_path_factory):
     log = tmp_path_factory.mktemp("router") / "router-push.log"
     args = ["--mode", "push", "--threshold", str(THRESHOLD), "--decode", push_topology.decode.url,

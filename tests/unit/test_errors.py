@@ -160,3 +160,25 @@ async def test_in_flight_returns_to_zero(tiny_model_path):
         st = app.state.pdr
         assert st.in_flight == 0
         assert all(i.in_flight == 0 for i in st.registry)
+
+
+async def test_prefill_stopping_at_first_token_runs_decode_only(tiny_model_path, monkeypatch):
+    """P's only token was EOS: it keeps no KV and returns no params. Not an orphan, not an
+    error: the decode instance computes the prompt itself (and stops the same way)."""
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        import router.dispatch.pull as pull
+
+        monkeypatch.setattr(ps[0], "_kv_answer", lambda *a, **k: None)  # P kept no KV ...
+        monkeypatch.setattr(pull, "finished_at_first_token", lambda doc: True)  # ... because it stopped
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        [d_leg] = completion_legs(ds[0])
+        assert "kv_transfer_params" not in d_leg.body
+        assert 'pd_router_orphaned_prefills_total{' not in (await c.get("/metrics")).text
+
+
+def test_finished_at_first_token():
+    from router.dispatch.pull import finished_at_first_token
+    assert finished_at_first_token({"choices": [{"finish_reason": "stop", "text": ""}]})
+    assert not finished_at_first_token({"choices": [{"finish_reason": "length", "text": "x"}]})
+    assert not finished_at_first_token({"choices": []})
