@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from router.moriio_ids import parse_zmq_address
 from router.settings import InstanceSpec
 
 PD_ROUTER_TYPE = "pd-router/v1"
@@ -216,17 +217,12 @@ def host_of_url(url: str) -> str:
 
 
 def parse_moriio_zmq(text: str) -> tuple[str, int, int]:
-    """``host:<ip>,handshake:<port>,notify:<port>``; each item split on its FIRST colon (IPv6)."""
-    parts: dict[str, str] = {}
-    for item in text.split(","):
-        key, _, value = item.partition(":")
-        parts[key.strip()] = value.strip()
+    """``host:<ip>,handshake:<port>,notify:<port>``; each item split on its FIRST colon (IPv6).
+    The MoRIIO dispatcher's own parser (it puts the address in request ids), plus our host check."""
     try:
-        host, handshake, notify = parts["host"], int(parts["handshake"]), int(parts["notify"])
-    except (KeyError, ValueError):
+        host, handshake, notify = parse_zmq_address(text)
+    except ValueError:
         raise PingRejected("bad_field", f"zmq_address {text[:80]!r}") from None
-    if not (0 < handshake <= 65535 and 0 < notify <= 65535):
-        raise PingRejected("bad_field", f"zmq_address ports {text[:80]!r}")
     _check_host(host, "zmq_address host")
     return host, handshake, notify
 
