@@ -212,8 +212,15 @@ class Discovery:
     # -- expiry ----------------------------------------------------------------------------------
 
     async def _expire_loop(self) -> None:
+        deferred = 0
         while True:
             await asyncio.sleep(self._expire_every)
+            # Pings still queued in the socket (the loop was starved) are heard before judging
+            # silence; a flood cannot postpone expiry for more than a few rounds.
+            if self._sock is not None and self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN and deferred < 3:
+                deferred += 1
+                continue
+            deferred = 0
             for inst in self._registry.expire(self._timeout):
                 log.warning("%s instance %s missed its heartbeats for %gs: removed (%d request(s) still in flight "
                             "finish there; no new ones)", inst.role, inst.url, self._timeout, inst.in_flight)

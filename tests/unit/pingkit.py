@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import threading
 import time
 
 import msgpack
@@ -59,12 +60,14 @@ async def dealer(endpoint: str):
 
 
 class Heart:
-    """Sends ``body`` every ``interval`` seconds from its own DEALER until stopped."""
+    """Sends ``body`` every ``interval`` seconds from its own DEALER, in its own thread (like a
+    real sender, it keeps its rhythm when the router's event loop is busy), until stopped."""
 
     def __init__(self, endpoint: str, body, interval: float = 0.1):
         self.endpoint, self.body, self.interval = endpoint, body, interval
         self.sent = 0
-        self._task: asyncio.Task | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     async def __aenter__(self) -> "Heart":
         self.start()
@@ -74,22 +77,25 @@ class Heart:
         await self.stop()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="test-heart", daemon=True)
+        self._thread.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        if self._thread is not None:
+            self._stop.set()
+            await asyncio.to_thread(self._thread.join, 10)
+            self._thread = None
 
-    async def _run(self) -> None:
+    def _run(self) -> None:
         data = self.body if isinstance(self.body, bytes) else pack(self.body)
-        async with dealer(self.endpoint) as sock:
-            while True:
-                await sock.send(data)
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            while not self._stop.is_set():
+                sock.send(data)
                 self.sent += 1
-                await asyncio.sleep(self.interval)
+                self._stop.wait(self.interval)
 
 
 async def until(predicate, timeout: float = 5.0, what: str = "condition"):

@@ -72,7 +72,7 @@ def test_flags_become_pd_router_payload():
 
 
 async def test_sidecars_register_pd_and_sigterm_stops_them(tiny_model_path, tmp_path):
-    async with registered_router(tiny_model_path, mode="push", heartbeat_timeout=0.8) as (c, app, [p], [d]):
+    async with registered_router(tiny_model_path, mode="push", heartbeat_timeout=1.5) as (c, app, [p], [d]):
         ep = ping_endpoint(app)
         async with sidecar(tmp_path, "--router", ep, "--role", "prefill", "--url", p.url, "--engine-id", p.engine_id,
                            "--kv-port", str(p.kv_port), "--transfer-mode", "push") as sp, \
@@ -85,13 +85,13 @@ async def test_sidecars_register_pd_and_sigterm_stops_them(tiny_model_path, tmp_
             assert r.status_code == 200, r.text
             assert len(completion_legs(p)) == 1 and len(completion_legs(d)) == 1
             assert await sd.stop() == 0
-            await until(lambda: _gone(c, d.url), what="decode expired after its sidecar stopped")
+            await until(lambda: _gone(c, d.url), timeout=10, what="decode expired after its sidecar stopped")
             assert await sp.stop(signal.SIGINT) == 0
-            await until(lambda: _gone(c, p.url), what="prefill expired")
+            await until(lambda: _gone(c, p.url), timeout=10, what="prefill expired")
 
 
 async def test_waits_for_readiness_and_follows_the_instance(tiny_model_path, tmp_path):
-    async with registered_router(tiny_model_path, heartbeat_timeout=0.8) as (c, app, [p], [_]):
+    async with registered_router(tiny_model_path, heartbeat_timeout=1.5) as (c, app, [p], [_]):
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         async with sidecar(tmp_path, "--router", ping_endpoint(app), "--role", "decode", "--url", url,
@@ -101,7 +101,7 @@ async def test_waits_for_readiness_and_follows_the_instance(tiny_model_path, tmp
             async with FakeEngine(role="decode", port=port) as d:
                 await until(lambda: _has(c, url), what="registered once ready")
                 d.fault = Fault(status=500, paths={"/health"})  # the instance stops serving
-                await until(lambda: _gone(c, url), what="pings paused, instance expired")
+                await until(lambda: _gone(c, url), timeout=10, what="pings paused, instance expired")
                 d.fault = None
                 await until(lambda: _has(c, url), what="announced again")
 
