@@ -7,8 +7,12 @@ Steps, in order:
    NixlPushConnector with a pinned prefill engine id for ``--mode push``), one core each when
    the host has two or more.
 4. Wait until each lists the served model on ``/v1/models``, printing progress.
-5. Start the router (``<python> -m router.cli serve ...``; a push-mode prefill URL carries the
-   instance's NIXL coordinates) and wait for its ``/health``.
+5. Start the router (``<python> -m router.cli serve --ping-port N ...``) with no instance at
+   all, and one ``pd-router register`` sidecar per instance (router/register.py): each waits
+   for its instance, then pings the router with the instance's role, model and (push) NIXL
+   coordinates, so the topology is discovered, not hard-wired. Wait until the router lists
+   both and its ``/health`` is 200. ``--static`` instead hands the instances to the router as
+   ``--prefill/--decode`` (a push-mode prefill URL then carries the NIXL coordinates).
 6. Print the URL and a curl example, then run until Ctrl-C / SIGTERM, or until any process
    exits (reported with its log tail); tear everything down either way.
 
@@ -31,7 +35,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from launch.engine_args import DEFAULT_KV_CACHE_BYTES, EngineSpec, push_prefill_url
+from launch.engine_args import CONNECTOR_CLASSES, DEFAULT_KV_CACHE_BYTES, EngineSpec, push_prefill_url
 from launch.local import Launcher, LaunchError, Waitable, free_ports, http_ok, wait_all
 
 DEFAULT_THRESHOLD = 512  # the router's own default (router.settings.Settings.threshold)
@@ -58,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--run-dir", default=None, help="where logs go (default: a new temporary directory)")
     a("--timeout", type=float, default=900.0, help="seconds to wait for everything to be ready")
     a("--smoke", action="store_true", help="send one request through the router, then stop")
+    a("--static", action="store_true",
+      help="pass the instances to the router as --prefill/--decode instead of registering them")  # fmt: skip
+    a("--ping-port", type=int, default=0, help="the router's registration port (default: a free one)")
 
 
 def _say(msg: str) -> None:
@@ -94,19 +101,51 @@ def build_specs(args: argparse.Namespace, model: str, served: str) -> tuple[Engi
 
 
 def router_argv(args: argparse.Namespace, prefill: EngineSpec, decode: EngineSpec,
-                tokenizer: str) -> list[str]:  # fmt: skip
-    p_url = prefill.url if args.mode == "pull" else push_prefill_url(prefill)
+                tokenizer: str, ping_port: int = 0) -> list[str]:  # fmt: skip
+    """The router command: instances as static flags (``--static``) or a registration port."""
+    if args.static:
+        p_url = prefill.url if args.mode == "pull" else push_prefill_url(prefill)
+        instances = ["--prefill", p_url, "--decode", decode.url]
+    else:
+        instances = ["--ping-port", str(ping_port)]
     return [
         sys.executable, "-m", "router.cli", "serve",
         "--mode", args.mode, "--threshold", str(args.threshold),
-        "--prefill", p_url, "--decode", decode.url, "--tokenizer", tokenizer,
+        *instances, "--tokenizer", tokenizer,
         "--host", args.host, "--port", str(args.router_port),
     ]  # fmt: skip
 
 
-def _router_url(args: argparse.Namespace) -> str:
+def register_argv(args: argparse.Namespace, spec: EngineSpec, ping_port: int) -> list[str]:
+    """The ``pd-router register`` sidecar of one instance (router/register.py)."""
+    argv = [
+        sys.executable, "-m", "router.cli", "register",
+        "--router", f"tcp://{_router_host(args)}:{ping_port}", "--role", spec.role,
+        "--url", spec.url, "--model", spec.served_model_name, "--transfer-mode", args.mode,
+        "--connector", CONNECTOR_CLASSES[spec.connector], "--tp", str(spec.tp),
+    ]  # fmt: skip
+    if spec.role == "prefill" and spec.engine_id and spec.kv_port is not None:
+        argv += ["--engine-id", spec.engine_id, "--kv-host", spec.kv_host, "--kv-port", str(spec.kv_port)]
+    return argv
+
+
+def _registered(url: str) -> bool:
+    """The router lists a healthy prefill and decode instance and its /health is 200."""
+    try:
+        with urllib.request.urlopen(url + "/instances", timeout=2) as r:
+            roles = {i["role"] for i in json.loads(r.read()) if i.get("healthy")}
+    except (OSError, ValueError, KeyError, TypeError, urllib.error.URLError):
+        return False
+    return roles >= {"prefill", "decode"} and http_ok(url + "/health")
+
+
+def _router_host(args: argparse.Namespace) -> str:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-    return f"http://{f'[{host}]' if ':' in host else host}:{args.router_port}"
+    return f"[{host}]" if ":" in host else host
+
+
+def _router_url(args: argparse.Namespace) -> str:
+    return f"http://{_router_host(args)}:{args.router_port}"
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -182,6 +221,9 @@ def run(args: argparse.Namespace) -> int:
     if not _port_free(args.host, args.router_port):
         _say(f"port {args.router_port} on {args.host} is in use; pick another with --router-port")
         return 2
+    if args.ping_port and not _port_free(args.host, args.ping_port):
+        _say(f"ping port {args.ping_port} on {args.host} is in use; pick another with --ping-port")
+        return 2
     if args.model is None:
         from launch.tiny_model import SERVED_NAME, ensure_tiny_model
 
@@ -191,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         model, served = args.model, args.served_model_name or args.model
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="pd-router-up-"))
     prefill, decode = build_specs(args, model, served)
+    ping_port = 0 if args.static else args.ping_port or free_ports(1)[0]
     old = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     t0 = time.monotonic()
     try:
@@ -209,13 +252,26 @@ def run(args: argparse.Namespace) -> int:
             def ready(item: Waitable, elapsed: float) -> None:
                 _say(f"[{elapsed:4.0f} s] {item.name} ready")
 
+            sidecars = []
+            if not args.static:  # the router and the sidecars start now; the sidecars wait for readiness
+                argv = router_argv(args, prefill, decode, model, ping_port)
+                _say("starting router: " + shlex.join(argv[1:]))
+                router = launcher.start_command("router", argv)
+                sidecars = [launcher.start_command(f"register-{spec.name}", register_argv(args, spec, ping_port))
+                            for spec in (prefill, decode)]
+                _say(f"instances register on tcp://{_router_host(args)}:{ping_port} (pd-router register sidecars)")
             launcher.wait_all_ready(engines, args.timeout, on_ready=ready, on_tick=tick)
-            argv = router_argv(args, prefill, decode, model)
-            _say("starting router: " + shlex.join(argv[1:]))
-            router = launcher.start_command("router", argv)
             url = _router_url(args)
+            if args.static:
+                argv = router_argv(args, prefill, decode, model)
+                _say("starting router: " + shlex.join(argv[1:]))
+                router = launcher.start_command("router", argv)
             left = max(30.0, args.timeout - (time.monotonic() - t0))
-            wait_all([Waitable("router", lambda: http_ok(url + "/health"), router)], left)
+            if args.static:
+                wait_all([Waitable("router", lambda: http_ok(url + "/health"), router)], left)
+            else:  # every sidecar must stay alive until the router lists both instances
+                _say("waiting for the router to list both instances")
+                wait_all([Waitable(p.name, lambda: _registered(url), p) for p in (router, *sidecars)], left)
             ready_s = time.monotonic() - t0
             print(f"pd-router is ready at {url} after {ready_s:.1f} s ({args.mode} mode, "
                   f"prefill {prefill.url}, decode {decode.url})", flush=True)  # fmt: skip
@@ -227,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
                 return _smoke(url, served, decode.url, args.threshold + 32)
             print("Ctrl-C to stop.", flush=True)
             while True:
-                for proc in [e.process for e in engines] + [router]:
+                for proc in [e.process for e in engines] + [router, *sidecars]:
                     proc.check_alive()
                 time.sleep(1.0)
     except _Stop as e:

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from router.api import api, error_response, handle
+from router.discovery import Discovery
 from router.fastpath import RouterASGI
 from router.dispatch import DirectDispatch, Env, make_dispatcher
 from router.errors import BadRequest, RouterError, error_body
@@ -57,9 +58,13 @@ def create_app(settings: Settings, *, upstream: Upstream | None = None, registry
             await asyncio.wait_for(checker.probe_all(), timeout=10) if len(reg) else None
             checker.start()
         st.components.append(checker)
-        log.info("pd-router ready: mode=%s connector=%s threshold=%d prefill=%d decode=%d", settings.mode,
-                 settings.kv_connector, settings.threshold, len(reg.of_role("prefill")), len(reg.of_role("decode")))
         try:
+            if settings.ping_port:  # inside the try: a failed bind still closes what was started
+                discovery = Discovery(settings, reg, m, on_new=lambda inst: checker.poke())
+                await discovery.start()
+                st.components.append(discovery)
+            log.info("pd-router ready: mode=%s connector=%s threshold=%d prefill=%d decode=%d", settings.mode,
+                     settings.kv_connector, settings.threshold, len(reg.of_role("prefill")), len(reg.of_role("decode")))
             yield
         finally:
             st.draining = True

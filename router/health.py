@@ -102,10 +102,11 @@ class HealthChecker:
             self._on_model(inst)
 
     async def _loop(self) -> None:
+        # Wait first: the lifespan has just probed every static instance before start().
         while True:
-            await self.probe_all()
-            self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), self._interval)
             except TimeoutError:
                 pass
+            self._wake.clear()  # before probing: a poke during the probes is not lost
+            await self.probe_all()

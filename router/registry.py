@@ -121,10 +121,9 @@ class Registry:
             self.version += 1
         for name, value in attrs.items():
             setattr(inst, name, value)
+        # A ping proves the sender is alive, not that the engine serves: health stays the
+        # health checker's call (router/health.py), so a ping never puts an instance back.
         inst.last_seen = now
-        if not inst.healthy and inst.source == "registered":
-            inst.healthy = True
-            self.version += 1
         return inst, False
 
     def remove(self, inst: Instance) -> None:
@@ -146,7 +145,7 @@ class Registry:
             inst.healthy = healthy
             self.version += 1
             self._emit("healthy" if healthy else "unhealthy", inst)
-        if healthy:
+        if healthy and inst.source == "static":  # a registered instance is only kept alive by its pings
             inst.last_seen = self._clock()
 
     def candidates(self, role: str, model: str | None = None) -> list[Instance]:

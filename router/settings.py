@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
@@ -132,6 +133,13 @@ class Settings:
             raise ValueError("threshold must be >= 0")
         if not 0 <= self.ping_port <= 65535:
             raise ValueError("ping_port must be 0..65535")
+        if self.heartbeat_timeout <= 0:
+            raise ValueError("heartbeat_timeout must be > 0")
+        for net in self.allowed_networks:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"allowed network {net!r} is not a CIDR (e.g. 10.0.0.0/8)") from None
         if self.kv_connector == "storage" and self.mode == "push":
             raise ValueError("the storage connector (ExampleConnector) is serial: use --mode pull")
         if self.mode == "push" and self.kv_connector == "nixl":

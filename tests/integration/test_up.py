@@ -42,6 +42,9 @@ def test_up_smoke(mode, tiny_model, tmp_path):
     assert counts["local_compute"] == 0 and counts["external_kv_transfer"] > 64, counts
     assert "stopped everything" in out
     assert (tmp_path / "router.log").exists() and (tmp_path / "prefill-0.log").exists()
+    router_log = (tmp_path / "router.log").read_text()  # discovered through registration, not hard-wired
+    assert "--ping-port" in router_log and "--prefill" not in router_log.splitlines()[0]
+    assert "registered prefill instance" in router_log and "registered decode instance" in router_log
     pids = [int(p) for p in re.findall(r"starting \S+ \(\w+\) on \S+, pid (\d+)", out)]
     assert len(pids) == 2, out
     assert not [p for p in pids if alive(p)]

@@ -30,7 +30,7 @@ def test_defaults():
 
 
 def test_pull_specs_and_router_command():
-    a = parse("--mode", "pull", "--threshold", "64", "--router-port", "8123")
+    a = parse("--mode", "pull", "--threshold", "64", "--router-port", "8123", "--static")
     p, d = up.build_specs(a, "/models/tiny", "tiny-llama")
     assert kv_transfer_config(p)["kv_connector"] == "NixlConnector"
     assert (p.kv_role, d.kv_role) == ("kv_producer", "kv_consumer")
@@ -47,7 +47,7 @@ def test_pull_specs_and_router_command():
 
 
 def test_push_prefill_url_has_coordinates():
-    a = parse("--mode", "push")
+    a = parse("--mode", "push", "--static")
     p, d = up.build_specs(a, "/m", "tiny-llama")
     cfg = kv_transfer_config(p)
     assert cfg["kv_connector"] == "NixlPushConnector" and cfg["engine_id"] == "prefill-0"
@@ -87,3 +87,49 @@ def test_router_port_in_use_is_refused_before_starting_anything(capsys, tmp_path
 @pytest.mark.parametrize("host, expected", [("0.0.0.0", "http://127.0.0.1:8000"), ("::1", "http://[::1]:8000")])
 def test_router_url(host, expected):
     assert up._router_url(parse("--host", host)) == expected
+
+
+def test_default_is_discovery_router_with_a_ping_port_and_no_instances():
+    a = parse("--mode", "push", "--threshold", "64")
+    assert a.static is False
+    p, d = up.build_specs(a, "/m", "tiny-llama")
+    argv = up.router_argv(a, p, d, "/m", 36367)
+    assert flag(argv, "--ping-port") == "36367"
+    assert "--prefill" not in argv and "--decode" not in argv
+    assert flag(argv, "--mode") == "push" and flag(argv, "--tokenizer") == "/m"
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_register_sidecars_announce_what_the_router_needs(mode):
+    from router.cli import build_parser
+    from router.ping import parse_ping, encode_ping
+    from router.register import registration_from_args
+
+    a = parse("--mode", mode, "--host", "0.0.0.0")
+    p, d = up.build_specs(a, "/m", "tiny-llama")
+    regs = {}
+    for spec in (p, d):
+        argv = up.register_argv(a, spec, 36367)
+        assert argv[:4] == [sys.executable, "-m", "router.cli", "register"]
+        args = build_parser().parse_args(argv[3:])  # the sidecar's own parser accepts it
+        assert args.router == "tcp://127.0.0.1:36367"
+        regs[spec.role] = parse_ping(encode_ping(registration_from_args(args, "tiny-llama")))
+    assert regs["prefill"].url == p.url and regs["decode"].url == d.url
+    assert {r.transfer_mode for r in regs.values()} == {mode}
+    assert regs["prefill"].model == "tiny-llama"
+    assert (regs["prefill"].engine_id, regs["prefill"].kv_host, regs["prefill"].kv_port) == (
+        "prefill-0", "127.0.0.1", p.kv_port)
+    assert regs["decode"].engine_id is None
+    expected = "nixlconnector" if mode == "pull" else "nixlpushconnector"
+    assert {r.connector for r in regs.values()} == {expected}
+
+
+def test_ping_port_in_use_is_refused_before_starting_anything(capsys, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        a = parse("--router-port", str(up.free_ports(1)[0]), "--ping-port", str(s.getsockname()[1]),
+                  "--run-dir", str(tmp_path))
+        assert up.run(a) == 2
+    assert "ping port" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
