@@ -104,8 +104,10 @@ def test_connect_close_cycles_release_everything(backend, core_name, transports)
     f0, r0 = fds(), rss()
     for i in range(30):
         cycle(i)
-    assert settle(th0) == th0
-    assert fds() == f0
+    # a leak shows as growth; a thread of the warm-up cycles still ending when th0 was taken
+    # makes the count drop below th0, which is not a leak
+    assert settle(th0) <= th0
+    assert fds() <= f0
     assert rss() - r0 < 8 * MiB, f"RSS grew by {(rss() - r0) / MiB:.1f} MiB"
 
 
