@@ -57,9 +57,13 @@ class StepMeta:
 
     sends: list[SendReq] = field(default_factory=list)
     recvs: list[RecvReq] = field(default_factory=list)
+    # prefill side: base ids of prefills that ended without KV to push (aborted, error)
+    cancel_sends: list[str] = field(default_factory=list)
+    # decode side: request ids aborted while waiting for their push
+    cancel_recvs: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.sends or self.recvs)
+        return not (self.sends or self.recvs or self.cancel_sends or self.cancel_recvs)
 
 
 @dataclass

@@ -19,6 +19,13 @@ Lifetimes: prefill blocks with no registration are released after ``lease_s``; a
 with no prefill is dropped after its ``valid_for``; a write is never started later than
 ``valid_for - transfer_timeout`` after its registration arrived, so decode (which waits
 ``valid_for``) never frees blocks that a late write could still touch.
+
+Cancellation (side-channel ``{"kind": "cancel", "base_id"}`` from decode, ``cancel_prefill`` on
+the prefill worker): a prefill that ends without KV (aborted) fails a registered decode at once
+(a ``"!"`` notification) or refuses its registration when it comes; a decode request aborted
+while waiting asks the prefill side to drop the pairing, and frees its blocks at once only when
+the answer is ``dropped`` (nothing was or will be written); ``writing`` means it must wait for
+the notification (or its deadline) first.
 """
 
 from __future__ import annotations
@@ -134,6 +141,8 @@ class PushSender:
         self._ready: dict[str, tuple[SendReq, float]] = {}  # base_id -> finished prefill
         self._regs: dict[str, tuple[Registration, float]] = {}  # base_id -> registration
         self._done: set[str] = set()  # prefill request ids whose blocks may be freed
+        self._cancelled: dict[str, float] = {}  # base_id -> when: refuse its registration
+        self._writing: set[str] = set()  # base ids paired and handed to the writer
         self._peers: dict[bytes, str] = {}
         self._jobs: queue.Queue = queue.Queue()
         self.stats = {"written": 0, "failed": 0, "expired": 0, "bytes": 0}
@@ -153,27 +162,62 @@ class PushSender:
         return self.server.port if self.server else self._port
 
     def on_message(self, msg: dict) -> dict:
-        if msg.get("kind") != "register":
-            return {"ok": False, "error": f"unknown kind {msg.get('kind')!r}"}
-        self.on_registration(Registration.decode(msg))
-        return {"ok": True}
+        kind = msg.get("kind")
+        if kind == "register":
+            return self.on_registration(Registration.decode(msg))
+        if kind == "cancel":
+            return {"ok": True, "state": self.on_decode_cancel(str(msg["base_id"]))}
+        return {"ok": False, "error": f"unknown kind {kind!r}"}
 
     def add_finished(self, send: SendReq) -> None:
         with self._lock:
+            if self._cancelled.pop(send.base_id, None) is not None:  # decode gave up already
+                self._done.add(send.req_id)
+                return
             hit = self._regs.pop(send.base_id, None)
             if hit is None:
                 self._ready[send.base_id] = (send, self._clock())
                 return
+            self._writing.add(send.base_id)
         self._jobs.put((send, *hit))
 
-    def on_registration(self, reg: Registration) -> None:
+    def on_registration(self, reg: Registration) -> dict:
         now = self._clock()
         with self._lock:
+            if self._cancelled.pop(reg.base_id, None) is not None:
+                return {"ok": False, "error": "the prefill of this request was cancelled"}
             hit = self._ready.pop(reg.base_id, None)
             if hit is None:
                 self._regs[reg.base_id] = (reg, now)
-                return
+                return {"ok": True}
+            self._writing.add(reg.base_id)
         self._jobs.put((hit[0], reg, now))
+        return {"ok": True}
+
+    def cancel_prefill(self, base_id: str) -> None:
+        """The prefill ended without KV (aborted): fail a waiting decode at once, or refuse its
+        registration when it comes."""
+        with self._lock:
+            hit = self._regs.pop(base_id, None)
+            if hit is None:
+                self._cancelled[base_id] = self._clock()
+                return
+        self._jobs.put(("fail", hit[0]))  # off the caller's (engine) thread
+
+    def on_decode_cancel(self, base_id: str) -> str:
+        """Decode aborted its request. ``dropped``: nothing was or will be written (decode may free
+        its blocks now; our blocks are released). ``writing``: a write is under way, decode must
+        wait for its notification."""
+        with self._lock:
+            if base_id in self._writing:
+                return "writing"
+            self._regs.pop(base_id, None)
+            hit = self._ready.pop(base_id, None)
+            if hit is not None:
+                self._done.add(hit[0].req_id)
+            else:
+                self._cancelled[base_id] = self._clock()  # the prefill may still finish later
+        return "dropped"
 
     def poll_done(self) -> set[str]:
         """Prefill request ids whose blocks can be freed now (written, failed or lease expired)."""
@@ -189,6 +233,9 @@ class PushSender:
             for base, (reg, t) in list(self._regs.items()):
                 if now - t > reg.valid_for:
                     del self._regs[base]
+            for base, t in list(self._cancelled.items()):
+                if now - t > self.lease_s:
+                    del self._cancelled[base]
             done, self._done = self._done, set()
         return done
 
@@ -201,6 +248,9 @@ class PushSender:
             job = self._jobs.get()
             if job is None:
                 return
+            if job[0] == "fail":
+                self._notify_failure(job[1])
+                continue
             send, reg, t_reg = job
             try:
                 self._write(send, reg, t_reg)
@@ -212,6 +262,7 @@ class PushSender:
             finally:
                 with self._lock:
                     self._done.add(send.req_id)
+                    self._writing.discard(send.base_id)
 
     def _peer(self, reg: Registration) -> str:
         peer = self._peers.get(reg.endpoint)
@@ -275,6 +326,7 @@ class PushReceiver:
         self._send = sender
         self._lock = threading.Lock()
         self._pending: dict[str, float] = {}  # decode request id -> deadline
+        self._where: dict[str, RecvReq] = {}  # decode request id -> its prefill side channel
         self._finished: set[str] = set()
         self._failed: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdr-push-reg")
@@ -293,7 +345,29 @@ class PushReceiver:
                            layout=self.layout, valid_for=self.timeout_s)
         with self._lock:
             self._pending[recv.req_id] = self._clock() + self.timeout_s
+            self._where[recv.req_id] = recv
         self._pool.submit(self._register, recv, reg)
+
+    def abort(self, req_id: str) -> None:
+        """The request was aborted while waiting: ask the prefill side to drop the pairing. If it
+        says nothing will be written, report the request at once (vLLM then frees its blocks);
+        otherwise keep waiting for the notification or the deadline, so that no write can land
+        in blocks already given to another request."""
+        with self._lock:
+            recv = self._where.get(req_id)
+        if recv is not None:
+            self._pool.submit(self._abort, recv)
+
+    def _abort(self, recv: RecvReq) -> None:
+        try:
+            answer = self._send(recv.remote_host, recv.remote_port,
+                                json.dumps({"kind": "cancel", "base_id": recv.base_id}).encode())
+        except Exception as e:  # noqa: BLE001 - unknown: wait for the deadline
+            log.warning("push: cancelling %s at %s:%s failed: %s", recv.req_id, recv.remote_host,
+                        recv.remote_port, e)
+            return
+        if answer.get("state") == "dropped":
+            self._fail(recv.req_id)
 
     def _register(self, recv: RecvReq, reg: Registration) -> None:
         try:
@@ -307,6 +381,7 @@ class PushReceiver:
 
     def _fail(self, req_id: str) -> None:
         with self._lock:
+            self._where.pop(req_id, None)
             if self._pending.pop(req_id, None) is not None:
                 self._failed.add(req_id)
 
@@ -322,6 +397,7 @@ class PushReceiver:
                 self._fail(msg)
             else:
                 with self._lock:
+                    self._where.pop(msg, None)
                     if self._pending.pop(msg, None) is not None:
                         self._finished.add(msg)
         now = self._clock()
@@ -330,6 +406,7 @@ class PushReceiver:
                 if now > deadline:
                     log.warning("push: no KV for %s within %.0fs", rid, self.timeout_s)
                     del self._pending[rid]
+                    self._where.pop(rid, None)
                     self._failed.add(rid)
             failed, self._failed = self._failed, set()
             finished, self._finished = self._finished | failed, set()

@@ -179,3 +179,61 @@ def test_side_channel_rejects_unknown_messages():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_aborted_prefill_fails_a_registered_decode_at_once():
+    p, d, sender, receiver = _pair("tcp")
+    try:
+        receiver.expect(RecvReq("cmpl-f-0-22222222", "cmpl-f-0", [1], 0, 10, "127.0.0.1", sender.port))
+        time.sleep(0.3)  # registered, waiting
+        sender.cancel_prefill("cmpl-f-0")
+        fin, fail = _wait(receiver, "cmpl-f-0-22222222", 5)
+        assert fail == {"cmpl-f-0-22222222"}
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_aborted_prefill_refuses_a_later_registration():
+    p, d, sender, receiver = _pair("tcp")
+    try:
+        sender.cancel_prefill("cmpl-g-0")
+        receiver.expect(RecvReq("cmpl-g-0-22222222", "cmpl-g-0", [1], 0, 10, "127.0.0.1", sender.port))
+        fin, fail = _wait(receiver, "cmpl-g-0-22222222", 5)
+        assert fail == {"cmpl-g-0-22222222"}
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_decode_abort_before_the_prefill_finished_frees_both_sides():
+    p, d, sender, receiver = _pair("tcp")
+    try:
+        receiver.expect(RecvReq("cmpl-h-0-22222222", "cmpl-h-0", [1], 0, 10, "127.0.0.1", sender.port))
+        time.sleep(0.3)
+        receiver.abort("cmpl-h-0-22222222")
+        fin, fail = _wait(receiver, "cmpl-h-0-22222222", 5)
+        assert fail == {"cmpl-h-0-22222222"}  # reported at once: vLLM frees decode's blocks
+        # the prefill finishing afterwards writes nothing and is released at once
+        sender.add_finished(SendReq("cmpl-h-0-11111111", "cmpl-h-0", [1], 10))
+        assert sender.poll_done() == {"cmpl-h-0-11111111"}
+        time.sleep(0.2)
+        assert not d.arr.any() and sender.stats["written"] == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_decode_abort_while_writing_waits_for_the_write():
+    p, d, sender, receiver = _pair("tcp")
+    try:
+        sender._writing.add("cmpl-i-0")  # as if the writer thread had the pair
+        receiver._where["cmpl-i-0-22222222"] = RecvReq("cmpl-i-0-22222222", "cmpl-i-0", [1], 0, 10,
+                                                       "127.0.0.1", sender.port)
+        receiver._pending["cmpl-i-0-22222222"] = time.monotonic() + 10
+        receiver.abort("cmpl-i-0-22222222")
+        time.sleep(0.5)
+        assert receiver.poll() == (set(), set())  # still waiting for the notification
+    finally:
+        sender.close()
+        receiver.close()
