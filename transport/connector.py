@@ -78,6 +78,9 @@ class PdrPushConnector(KVConnectorBase_V1):
         self._sends: list[SendReq] = []
         self._recvs: list[RecvReq] = []
         self._inflight_sends: set[str] = set()
+        self._cancel_sends: list[str] = []
+        self._cancel_recvs: list[str] = []
+        self._waiting_recvs: set[str] = set()  # decode requests registered, push not yet in
         # worker side
         self.sender: PushSender | None = None
         self.receiver: PushReceiver | None = None
@@ -106,6 +109,7 @@ class PdrPushConnector(KVConnectorBase_V1):
         all_ids = list(blocks.get_block_ids()[0])
         new_ids = list(blocks.get_unhashed_block_ids())
         port = params.get("remote_port")
+        self._waiting_recvs.add(request.request_id)
         self._recvs.append(RecvReq(
             req_id=request.request_id, base_id=base_request_id(request.request_id),
             block_ids=new_ids, first_block=len(all_ids) - len(new_ids),
@@ -115,20 +119,28 @@ class PdrPushConnector(KVConnectorBase_V1):
         ))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        meta = PdrConnectorMetadata(StepMeta(sends=self._sends, recvs=self._recvs))
-        self._sends, self._recvs = [], []
+        meta = PdrConnectorMetadata(StepMeta(sends=self._sends, recvs=self._recvs,
+                                             cancel_sends=self._cancel_sends,
+                                             cancel_recvs=self._cancel_recvs))
+        self._sends, self._recvs, self._cancel_sends, self._cancel_recvs = [], [], [], []
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        if request.request_id in self._waiting_recvs:
+            # Decode request finished (aborted) while its push is outstanding. vLLM keeps its
+            # blocks until we report it in finished_recving; the worker asks prefill to drop it.
+            self._cancel_recvs.append(request.request_id)
+            return False, None
         if not params or not params.get("do_remote_decode"):
             return False, None
         if block_ids and isinstance(block_ids[0], (list, tuple)):
             block_ids = list(block_ids[0])
         if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED) \
                 or not block_ids:
+            self._cancel_sends.append(base_request_id(request.request_id))
             return False, None
         num_tokens = len(request.prompt_token_ids or ())
         self._sends.append(SendReq(request.request_id, base_request_id(request.request_id),
@@ -143,9 +155,12 @@ class PdrPushConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         for rid in connector_output.finished_sending or ():
             self._inflight_sends.discard(rid)
+        for rid in connector_output.finished_recving or ():
+            self._waiting_recvs.discard(rid)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._inflight_sends or self._sends or self._recvs)
+        return bool(self._inflight_sends or self._sends or self._recvs or self._cancel_sends
+                    or self._cancel_recvs)
 
     # ---- worker side --------------------------------------------------------------------------
 
@@ -194,6 +209,12 @@ class PdrPushConnector(KVConnectorBase_V1):
                 log.error("pdr connector: %s needs a consumer (kv_role) to receive", r.req_id)
                 continue
             self.receiver.expect(r)
+        for base in meta.step.cancel_sends:
+            if self.sender is not None:
+                self.sender.cancel_prefill(base)
+        for rid in meta.step.cancel_recvs:
+            if self.receiver is not None:
+                self.receiver.abort(rid)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
