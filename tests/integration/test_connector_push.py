@@ -160,10 +160,22 @@ def test_decode_abort_while_waiting_releases_both_sides(stack):
     body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
                                   "remote_engine_id": s.engine_id, "remote_host": s.kv_host,
                                   "remote_port": s.kv_port, "remote_request_id": "x", "tp_size": 1}
-    with pytest.raises(httpx.TimeoutException):
-        with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=2.0) as r:
-            for _ in r.iter_lines():
-                pass
+
+    def client():
+        with pytest.raises(httpx.TimeoutException):
+            with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=3.0) as r:
+                for _ in r.iter_lines():
+                    pass
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client)
+        held = 0.0
+        t0 = time.monotonic()
+        while held == 0 and time.monotonic() - t0 < 2.5:
+            held = _gauge(d.url, "vllm:kv_cache_usage_perc")
+            time.sleep(0.1)
+        fut.result()
+    assert held > 0, "the waiting request's blocks must show in kv_cache_usage_perc (else this test proves nothing)"
     t0 = time.monotonic()
     while not _idle(d.url):
         assert time.monotonic() - t0 < 15, ("decode kept the aborted request's blocks: "
