@@ -83,7 +83,8 @@ def test_pdr_push_matches_single_instance(stack, sources, kind, length, stream):
 
 def test_pdr_push_concurrent(stack, sources):
     url, mono, p, d = stack
-    prompts = [unique(LONG) for _ in range(3)] + [unique(SHORTISH) for _ in range(2)]
+    same = unique(LONG)  # identical prompts at once (seen to hang NixlPushConnector, PROTOCOLS.md 3)
+    prompts = [unique(LONG) for _ in range(3)] + [unique(SHORTISH) for _ in range(2)] + [same] * 3
     refs = [call(mono.url, "completions", body_for("completions", q, False))[0] for q in prompts]
     before_d = sources(d.url)
     with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
