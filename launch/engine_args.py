@@ -11,6 +11,9 @@ Connector kinds (``EngineSpec.connector``), one table below maps each to vLLM's 
   pinned ``engine_id`` because the router names it to D before P has answered.
 - ``storage``: ``ExampleConnector`` with ``kv_role`` ``kv_both`` and a ``shared_storage_path``
   (stores whole blocks only, so short prompts are recomputed).
+- ``pdr``: pd-router's own push connector (``transport.connector.PdrPushConnector``: P writes
+  into D's blocks over ``transport``, cma/tcp/nixl). Like ``nixl-push``: the prefill instance
+  needs a pinned ``engine_id`` and a ``kv_port`` (its side channel, the router's ``kv_port``).
 - ``module``: any out-of-tree connector: ``connector_class`` loaded from
   ``connector_module`` (``kv_connector_module_path``, importable on the workers' PYTHONPATH).
 
@@ -36,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 Role = Literal["prefill", "decode", "both"]
-ConnectorKind = Literal["none", "nixl", "nixl-push", "storage", "module"]
+ConnectorKind = Literal["none", "nixl", "nixl-push", "pdr", "storage", "module"]
 Device = Literal["cpu", "gpu"]
 
 ROLES: tuple[str, ...] = ("prefill", "decode", "both")
@@ -47,9 +50,12 @@ CONNECTOR_CLASSES: dict[str, str | None] = {
     "nixl": "NixlConnector",
     "nixl-push": "NixlPushConnector",
     "storage": "ExampleConnector",
+    "pdr": "PdrPushConnector",
     "module": None,
 }
 NIXL_KINDS = frozenset({"nixl", "nixl-push"})
+PUSH_KINDS = frozenset({"nixl-push", "pdr"})  # prefill needs a pinned engine id
+PDR_MODULE = "transport.connector"
 KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
@@ -121,12 +127,12 @@ def validate(spec: EngineSpec) -> None:
         raise SpecError(f"{spec.name}: bad port {spec.port}")
     if spec.role != "both" and spec.connector == "none":
         raise SpecError(f"{spec.name}: role {spec.role} needs a KV connector")
-    if spec.connector in NIXL_KINDS:
+    if spec.connector in NIXL_KINDS or spec.connector == "pdr":
         if spec.kv_port is None or not 0 < spec.kv_port < 65536:
             raise SpecError(f"{spec.name}: {spec.connector} needs a side-channel kv_port")
         if spec.kv_port == spec.port:
             raise SpecError(f"{spec.name}: kv_port equals the HTTP port")
-    if spec.connector == "nixl-push" and spec.role == "prefill" and not spec.engine_id:
+    if spec.connector in PUSH_KINDS and spec.role == "prefill" and not spec.engine_id:
         raise SpecError(f"{spec.name}: a push-mode prefill instance needs a pinned engine_id")
     if spec.connector == "storage" and not spec.storage_path:
         raise SpecError(f"{spec.name}: connector storage needs storage_path")
@@ -153,7 +159,9 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     }
     if spec.connector == "module":
         cfg["kv_connector_module_path"] = spec.connector_module
-    if spec.connector in NIXL_KINDS or spec.connector == "module":
+    if spec.connector == "pdr":
+        cfg["kv_connector_module_path"] = PDR_MODULE
+    if spec.connector in NIXL_KINDS or spec.connector in ("module", "pdr"):
         cfg["kv_buffer_device"] = "cuda" if spec.device == "gpu" else "cpu"
     if spec.engine_id:
         cfg["engine_id"] = spec.engine_id
@@ -206,7 +214,7 @@ def render_env(
     env["HF_HUB_OFFLINE"] = "1"
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
-    if spec.connector in NIXL_KINDS or spec.connector == "module":
+    if spec.connector in NIXL_KINDS or spec.connector in ("module", "pdr"):
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.kv_host
         if spec.kv_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_port)
@@ -226,7 +234,7 @@ def render_env(
 
 def push_prefill_url(spec: EngineSpec) -> str:
     """A push-mode prefill URL carrying its NIXL coordinates, as the router's --prefill takes it."""
-    if spec.connector != "nixl-push" or spec.role != "prefill":
+    if spec.connector not in PUSH_KINDS or spec.role != "prefill":
         raise SpecError(f"{spec.name}: not a push-mode prefill instance")
     validate(spec)
     return (

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--model", default=None, help="model path (default: the tiny test model, built on first use)")
     a("--served-model-name", default=None, help="name clients use (default: tiny-llama, or --model)")
     a("--mode", choices=("pull", "push"), default="pull", help="NIXL pull (serial) or push (concurrent)")
+    a("--connector", choices=("nixl", "pdr"), default="nixl",
+      help="nixl: vLLM's NIXL connectors; pdr: pd-router's own push connector (transport.connector, "
+           "needs --mode push)")  # fmt: skip
     a("--threshold", type=int, default=DEFAULT_THRESHOLD,
       help="prompts with at least this many tokens are disaggregated")  # fmt: skip
     a("--host", default="127.0.0.1", help="router listen address")
@@ -85,7 +88,12 @@ def build_specs(args: argparse.Namespace, model: str, served: str) -> tuple[Engi
     kv_bytes = args.kv_cache_bytes
     if kv_bytes is None and args.device == "cpu":
         kv_bytes = DEFAULT_KV_CACHE_BYTES
-    connector = "nixl" if args.mode == "pull" else "nixl-push"
+    if getattr(args, "connector", "nixl") == "pdr":
+        if args.mode != "push":
+            raise ValueError("--connector pdr implements push only: add --mode push")
+        connector = "pdr"
+    else:
+        connector = "nixl" if args.mode == "pull" else "nixl-push"
     common = dict(
         model=model, served_model_name=served, connector=connector, device=args.device,
         kv_cache_bytes=kv_bytes, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -223,6 +231,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.ping_port and not _port_free(args.host, args.ping_port):
         _say(f"ping port {args.ping_port} on {args.host} is in use; pick another with --ping-port")
+        return 2
+    if getattr(args, "connector", "nixl") == "pdr" and args.mode != "push":
+        _say("--connector pdr implements push only: add --mode push")
         return 2
     if args.model is None:
         from launch.tiny_model import SERVED_NAME, ensure_tiny_model

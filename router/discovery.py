@@ -37,9 +37,12 @@ RECV_HWM = 1000
 
 
 def connector_family(name: str) -> str:
-    """vLLM connector class or short name -> the router's --kv-connector vocabulary."""
+    """vLLM connector class or short name -> the router's --kv-connector vocabulary.
+
+    pd-router's own connector (transport.connector.PdrPushConnector) reads the NIXL push fields,
+    so it belongs to the nixl family."""
     low = name.lower()
-    for needle, family in (("nixl", "nixl"), ("moriio", "moriio"), ("example", "storage"), ("storage", "storage"),
+    for needle, family in (("nixl", "nixl"), ("pdr", "nixl"), ("moriio", "moriio"), ("example", "storage"), ("storage", "storage"),
                            ("p2p", "p2p-nccl")):
         if needle in low:
             return family

@@ -25,12 +25,12 @@ def alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
-def test_up_smoke(mode, tiny_model, tmp_path):
+@pytest.mark.parametrize("mode, connector", [("pull", "nixl"), ("push", "nixl"), ("push", "pdr")])
+def test_up_smoke(mode, connector, tiny_model, tmp_path):
     (port,) = free_ports(1)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     argv = [sys.executable, "-m", "router.cli", "up", "--smoke", "--cpu-patch", "--mode", mode,
-            "--router-port", str(port), "--threshold", "64", "--run-dir", str(tmp_path),
+            "--connector", connector, "--router-port", str(port), "--threshold", "64", "--run-dir", str(tmp_path),
             "--model", str(tiny_model), "--served-model-name", "tiny-llama"]  # fmt: skip
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr

@@ -307,3 +307,13 @@ async def test_static_and_registered_share_one_registry(tiny_model_path):
         await until(lambda: _gone(c, d1.url), timeout=10, what="registered one expired")
         assert d0.url in await urls(c)  # static instances never expire
 
+
+
+def test_pdr_connector_is_in_the_nixl_family():
+    """pd-router's own connector reads the NIXL push fields: a router with --kv-connector nixl
+    must accept its registrations (pd-router up --connector pdr relies on it)."""
+    from router.discovery import connector_family
+
+    assert connector_family("PdrPushConnector") == "nixl"
+    assert connector_family("NixlPushConnector") == "nixl"
+    assert connector_family("MoRIIOConnector") == "moriio"

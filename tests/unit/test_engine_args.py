@@ -181,3 +181,24 @@ def test_gpu_flavour():
 def test_url_for_wildcard_and_ipv6_hosts():
     assert spec(host="0.0.0.0").url == "http://127.0.0.1:8100"
     assert spec(host="::1").url == "http://[::1]:8100"
+
+
+def test_pdr_connector_kind():
+    s = spec(role="prefill", connector="pdr", kv_port=5600, engine_id="prefill-0",
+             connector_extra={"transport": "cma"})  # fmt: skip
+    assert kv_transfer_config(s) == {
+        "kv_connector": "PdrPushConnector",
+        "kv_connector_module_path": "transport.connector",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu",
+        "engine_id": "prefill-0",
+        "kv_connector_extra_config": {"transport": "cma"},
+    }
+    env = render_env(s, {}, ("/repo",))
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"  # the connector's side channel
+    assert env["PYTHONPATH"].split(":")[0] == "/repo"  # workers import transport.connector
+    assert push_prefill_url(s).endswith("engine_id=prefill-0&kv_host=127.0.0.1&kv_port=5600&tp=1&pp=1")
+    with pytest.raises(SpecError, match="engine_id"):
+        render_argv(replace(s, engine_id=None), PY)
+    with pytest.raises(SpecError, match="kv_port"):
+        render_argv(replace(s, kv_port=None), PY)

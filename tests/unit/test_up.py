@@ -133,3 +133,21 @@ def test_ping_port_in_use_is_refused_before_starting_anything(capsys, tmp_path):
         assert up.run(a) == 2
     assert "ping port" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pdr_connector_specs_and_router_command():
+    a = parse("--mode", "push", "--connector", "pdr", "--static")
+    p, d = up.build_specs(a, "/m", "tiny-llama")
+    cfg = kv_transfer_config(p)
+    assert cfg["kv_connector"] == "PdrPushConnector"
+    assert cfg["kv_connector_module_path"] == "transport.connector"
+    assert cfg["engine_id"] == "prefill-0" and kv_transfer_config(d)["kv_role"] == "kv_consumer"
+    url = flag(up.router_argv(a, p, d, "/m"), "--prefill")
+    assert f"kv_port={p.kv_port}" in url and "engine_id=prefill-0" in url
+    assert parse().connector == "nixl"
+
+
+def test_pdr_connector_needs_push_mode(capsys):
+    a = parse("--connector", "pdr", "--router-port", "0")
+    with pytest.raises(ValueError, match="push"):
+        up.build_specs(a, "/m", "tiny-llama")
