@@ -161,6 +161,8 @@ def _port_free(host: str, port: int) -> bool:
 
     try:
         with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            # as the servers bind: connections of an earlier run in TIME_WAIT must not count as "in use"
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind((host, port))
         return True
     except OSError:
