@@ -80,17 +80,22 @@ class _Conn(asyncio.Protocol):
         events = data.split(b"\n\n")
         self.buf = events.pop()
         for ev in events:
-            if ev.startswith(b"data: [DONE]"):
-                res.done = True
-            elif (b'"text"' in ev or b'"content"' in ev) and b'"role"' not in ev:
-                if res.t_first is None:
-                    res.t_first = now
-                else:
-                    res.gaps.append(now - self.last)
-                self.last = now
-                res.tokens += 1
-            elif b'"error"' in ev:
-                res.error = "error event: " + ev[:200].decode(errors="replace")
+            self._event(ev, now)
+
+    def _event(self, ev: bytes, now: float) -> None:
+        """One complete SSE event (without its blank line) received at `now`."""
+        res = self.res
+        if ev.startswith(b"data: [DONE]"):
+            res.done = True
+        elif (b'"text"' in ev or b'"content"' in ev) and b'"role"' not in ev:
+            if res.t_first is None:
+                res.t_first = now
+            else:
+                res.gaps.append(now - self.last)
+            self.last = now
+            res.tokens += 1
+        elif b'"error"' in ev:
+            res.error = "error event: " + ev[:200].decode(errors="replace")
 
     def on_message_complete(self) -> None:
         res = self.res

@@ -15,7 +15,6 @@ count. TTFT is unchanged; ITL stays the gap between streamed chunks as a client 
 from __future__ import annotations
 
 import re
-import time
 
 from benchmarks import loadgen
 
@@ -23,31 +22,14 @@ _COMPLETION_TOKENS = re.compile(rb'"completion_tokens":\s*(\d+)')
 
 
 class UsageCountingConn(loadgen._Conn):
-    def on_body(self, body: bytes) -> None:
-        now = time.perf_counter()
-        res = self.res
-        if res.status != 200:
-            self.buf += body
+    def _event(self, ev: bytes, now: float) -> None:
+        usage = _COMPLETION_TOKENS.search(ev)
+        if usage is None:
+            super()._event(ev, now)
             return
-        data = self.buf + body
-        events = data.split(b"\n\n")
-        self.buf = events.pop()
-        for ev in events:
-            if ev.startswith(b"data: [DONE]"):
-                res.done = True
-                continue
-            usage = _COMPLETION_TOKENS.search(ev)
-            if usage is not None:
-                res.usage_tokens = int(usage.group(1))  # type: ignore[attr-defined]
-            if (b'"text"' in ev or b'"content"' in ev) and b'"role"' not in ev:
-                if res.t_first is None:
-                    res.t_first = now
-                else:
-                    res.gaps.append(now - self.last)
-                self.last = now
-                res.tokens += 1
-            elif usage is None and b'"error"' in ev:
-                res.error = "error event: " + ev[:200].decode(errors="replace")
+        self.res.usage_tokens = int(usage.group(1))  # type: ignore[attr-defined]
+        if (b'"text"' in ev or b'"content"' in ev) and b'"role"' not in ev:
+            super()._event(ev, now)  # a usage-carrying token event still counts as a token
 
     def _finish(self, error: str | None) -> None:
         res = self.res
