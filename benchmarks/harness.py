@@ -13,7 +13,6 @@ import os
 import resource
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,14 +21,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from launch.local import free_port  # noqa: F401  (ports outside the ephemeral range)
+
 REPO = Path(__file__).resolve().parents[1]
 TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pinned(cmd: list[str], core: int | None) -> list[str]:

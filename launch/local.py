@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -57,16 +58,56 @@ class ReadyTimeout(LaunchError, TimeoutError):
     """A process did not become ready in time."""
 
 
+class ProcessFailed(ProcessExited):
+    """A managed process is still running but its log shows it can never become ready."""
+
+
+# Log lines after which a starting server will never become ready.
+FATAL_LOG_MARKERS = ("Address already in use", "[Errno 98]")
+
+
 # --- ports -------------------------------------------------------------------------------
 
 _handed_out: set[int] = set()
 _ports_lock = threading.Lock()
+_PORT_FLOOR = 20000
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections (32768 if unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now and not handed out before by this process."""
+    """A TCP port that is free now and not handed out before by this process.
+
+    Picked at random *below* the kernel's ephemeral range: a port from ``bind(0)`` lies inside
+    it, and any outgoing connection on the machine (another engine's ZMQ or HTTP client) may
+    take it between our check and the server's bind -- that is how a vLLM side channel once
+    failed with "Address already in use" and hung its engine.
+    """
+    top = _ephemeral_floor()
     with _ports_lock:
-        for _ in range(100):
+        if top - _PORT_FLOOR >= 1000:
+            for _ in range(200):
+                port = random.randrange(_PORT_FLOOR, top)
+                if port not in _handed_out and _bindable(host, port) and _bindable("0.0.0.0", port):
+                    _handed_out.add(port)
+                    return port
+        for _ in range(100):  # odd port range: fall back to the kernel's choice
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]
@@ -102,6 +143,7 @@ class Process:
         self.cwd = cwd
         self.popen: subprocess.Popen | None = None
         self.started_at: float | None = None
+        self._scanned = 0  # bytes of the log already searched for fatal markers
 
     def start(self) -> Process:
         if self.popen is not None:
@@ -145,6 +187,38 @@ class Process:
             raise ProcessExited(
                 f"{self.name} exited with status {rc} (log {self.log_path}):\n{self.log_tail()}"
             )
+
+    def check_startable(self) -> None:
+        """check_alive, plus: raise ProcessFailed when the log shows it can never become ready."""
+        self.check_alive()
+        fatal = self.fatal_in_log()
+        if fatal:
+            raise ProcessFailed(
+                f"{self.name} is running but cannot become ready ({fatal!r} in {self.log_path}):\n"
+                f"{self.log_tail()}"
+            )
+
+    def fatal_in_log(self) -> str | None:
+        """A line of the log that means the process will never become ready, else None.
+
+        vLLM runs some listeners (the NIXL side channel) in threads: when one fails to bind,
+        the server stays up and simply never answers; waiting the full start timeout for it
+        helps nobody.
+        """
+        try:
+            size = self.log_path.stat().st_size
+        except OSError:
+            return None
+        if size == self._scanned:
+            return None
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, self._scanned - 256))
+            chunk = f.read(size - f.tell()).decode(errors="replace")
+        self._scanned = size
+        for line in chunk.splitlines():
+            if any(m in line for m in FATAL_LOG_MARKERS):
+                return line.strip()
+        return None
 
     def stop(self, grace: float = 10.0) -> None:
         """SIGTERM the process group, SIGKILL it after ``grace`` seconds. Idempotent."""
@@ -227,7 +301,8 @@ def wait_all(
 ) -> float:
     """Wait until every probe succeeds; return the seconds taken.
 
-    Raises ProcessExited as soon as any item's process has exited, ReadyTimeout after
+    Raises ProcessExited as soon as any item's process has exited (ProcessFailed when its log
+    shows a fatal start-up error such as a port already in use), ReadyTimeout after
     ``timeout`` seconds. ``on_ready(item, elapsed)`` fires once per item, ``on_tick(elapsed,
     pending_names)`` once per polling round.
     """
@@ -236,7 +311,7 @@ def wait_all(
     while pending:
         for item in list(pending):
             if item.process is not None:
-                item.process.check_alive()
+                item.process.check_startable()
             if item.probe():
                 pending.remove(item)
                 if on_ready:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-
 import pytest
+
+from launch.local import free_port  # noqa: F401  (ports outside the ephemeral range)
 
 
 @pytest.fixture(scope="session")
@@ -17,12 +17,6 @@ def tiny_model_path():
     path = ensure_tiny_model()
     _load(str(path))  # warm the process-wide tokenizer cache: the first load can take seconds
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import textwrap
 import time
 
 import pytest
 
+import launch.local as launch_local
 from launch.local import (
     Launcher,
     ProcessExited,
@@ -172,3 +174,30 @@ def test_start_command_puts_repo_on_pythonpath(tmp_path):
     last = (tmp_path / "env.log").read_text().splitlines()[-1].split(":")
     assert last[-1] == "/x"
     assert os.path.isfile(os.path.join(last[0], "launch", "local.py"))
+
+
+def test_free_ports_lie_below_the_ephemeral_range():
+    # A port from the ephemeral range can be taken by any outgoing connection between the check
+    # and the server's bind (it once hung a vLLM side channel in CI).
+    floor = launch_local._ephemeral_floor()
+    ports = free_ports(50)
+    assert all(launch_local._PORT_FLOOR <= p < floor for p in ports)
+    for p in ports:  # and each one really is free
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+
+
+def test_wait_fails_fast_when_the_log_shows_a_bind_failure(tmp_path):
+    # A process that stays up but logged a fatal bind error (vLLM's side-channel thread) must not
+    # be waited for until the timeout.
+    script = (
+        "import sys, time\n"
+        "print('zmq.error.ZMQError: Address already in use (addr=tcp://127.0.0.1:1)', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with Launcher(tmp_path) as launcher:
+        proc = launcher.start_command("stuck", [sys.executable, "-c", script])
+        # ProcessFailed (not ReadyTimeout) is itself the proof it did not wait the timeout out.
+        with pytest.raises(launch_local.ProcessFailed, match="Address already in use"):
+            wait_all([Waitable("stuck", lambda: False, proc)], timeout=50, interval=0.1)
+        assert proc.alive()  # it was still running: only its log said it would never be ready
