@@ -29,7 +29,10 @@ async def run_router(settings, **overrides):
     settings = settings.replace(port=free_port(), host="127.0.0.1")
     app = create_app(settings, **overrides)
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=2)
+                            lifespan="on", timeout_graceful_shutdown=2,
+                            # as `pd-router serve` does: uvicorn's 5 s default lets a loaded test
+                            # machine race a pooled client connection against its idle close
+                            timeout_keep_alive=75, backlog=4096)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(500):
