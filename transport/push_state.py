@@ -150,9 +150,9 @@ class PushSender:
         self._writer: threading.Thread | None = None
 
     def start(self) -> None:
+        self.transport.start()  # before register(): nixl registers memory with its started agent
         for r in self._regions:
             self.transport.register(r)
-        self.transport.start()
         self.server = SideChannelServer(self._host, self._port, self.on_message)
         self._writer = threading.Thread(target=self._write_loop, name="pdr-push-writer", daemon=True)
         self._writer.start()
@@ -353,9 +353,9 @@ class PushReceiver:
         self._endpoint = b""
 
     def start(self) -> None:
+        self.transport.start()  # before register(): nixl registers memory with its started agent
         for r in self._regions:
             self.transport.register(r)
-        self.transport.start()
         self._endpoint = self.transport.endpoint()
 
     def expect(self, recv: RecvReq) -> None:

@@ -12,6 +12,7 @@ from transport import Region, create
 from transport.kvmeta import (KVLayout, RecvReq, Registration, SendReq, base_request_id, layout_from_planes,
                               pair_blocks, plane_of)
 from transport.push_state import PushReceiver, PushSender, side_request
+from transport_testlib import NIXL_OK, NIXL_WHY, UCX_ENV
 
 
 def test_base_request_id_strips_only_the_random_suffix():
@@ -75,10 +76,14 @@ class _Side:
         self.regions = [Region(base, self.arr.nbytes)]
 
 
+def _make(backend):
+    return create("nixl", ucx_env=UCX_ENV) if backend == "nixl" else create(backend)
+
+
 def _pair(backend, *, lease_s=30.0, timeout_s=10.0):
     p, d = _Side(fill=1), _Side()
-    sender = PushSender(create(backend), p.layout, p.regions, lease_s=lease_s, transfer_timeout=5)
-    receiver = PushReceiver(create(backend), d.layout, d.regions, timeout_s=timeout_s)
+    sender = PushSender(_make(backend), p.layout, p.regions, lease_s=lease_s, transfer_timeout=5)
+    receiver = PushReceiver(_make(backend), d.layout, d.regions, timeout_s=timeout_s)
     sender.start()
     receiver.start()
     return p, d, sender, receiver
@@ -95,7 +100,8 @@ def _wait(receiver, rid, limit=10.0):
     return fin, fail
 
 
-@pytest.mark.parametrize("backend", ["cma", "tcp"])
+@pytest.mark.parametrize("backend", ["cma", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not NIXL_OK, reason=f"nixl not importable: {NIXL_WHY}"))])
 @pytest.mark.parametrize("order", ["prefill-first", "registration-first"])
 def test_push_writes_blocks_in_either_order(backend, order):
     p, d, sender, receiver = _pair(backend)
