@@ -56,6 +56,12 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.pdr_connector")
+# transport.push_state logs to "pdr.push" (vLLM-free); inside vLLM show it like vLLM's own lines.
+_push_log = logging.getLogger("pdr.push")
+if not _push_log.handlers:
+    for _h in logging.getLogger("vllm").handlers:
+        _push_log.addHandler(_h)
+    _push_log.setLevel(logging.INFO)
 
 
 def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:

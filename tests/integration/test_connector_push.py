@@ -26,19 +26,36 @@ pytestmark = pytest.mark.integration
 
 SHORTISH = "def g(y):\n    return y + 1\n\n" * 6  # about 70 tokens: under one 128-token block
 TRANSPORT = os.environ.get("PD_ROUTER_TEST_PDR_TRANSPORT", "cma")
+# NIXL over UCX on loopback (docs/transport.md); UCX picks its cma/shm transports for the data.
+NIXL_UCX_ENV = {"UCX_NET_DEVICES": "lo"}
 
 
-@pytest.fixture(scope="module")
-def pdr_pair(monolithic, vllm_cluster):
-    extra = {"transport": TRANSPORT, "lease_s": 30, "push_timeout_s": 60}
-    p = vllm_cluster.start(vllm_cluster.spec("pdr-prefill", role="prefill", connector="module",
+def _transport_ok(name: str) -> tuple[bool, str]:
+    from transport.select import available
+
+    return available().get(name, (False, f"unknown transport {name!r}"))
+
+
+@pytest.fixture(scope="class")
+def pdr_pair(request, monolithic, vllm_cluster):
+    """P and D with PdrPushConnector over the class's ``TRANSPORT`` (class scope: with the
+    monolithic reference at most three vLLM instances run at once)."""
+    transport = request.cls.TRANSPORT
+    ok, why = _transport_ok(transport)
+    if not ok:
+        pytest.skip(f"transport {transport} cannot run here: {why}")
+    extra = {"transport": transport, "lease_s": 30, "push_timeout_s": 60, **getattr(request.cls, "EXTRA", {})}
+    if transport == "nixl":
+        extra["transport_options"] = {"ucx_env": NIXL_UCX_ENV}
+    p = vllm_cluster.start(vllm_cluster.spec(f"pdr-{transport}-prefill", role="prefill", connector="module",
                                              connector_class="PdrPushConnector",
                                              connector_module="transport.connector",
                                              engine_id="pdr-prefill-0", connector_extra=extra))
-    d = vllm_cluster.start(vllm_cluster.spec("pdr-decode", role="decode", connector="module",
+    d = vllm_cluster.start(vllm_cluster.spec(f"pdr-{transport}-decode", role="decode", connector="module",
                                              connector_class="PdrPushConnector",
                                              connector_module="transport.connector",
-                                             engine_id="pdr-decode-0", connector_extra=extra))
+                                             engine_id="pdr-decode-0", connector_extra=extra,
+                                             extra_args=tuple(getattr(request.cls, "DECODE_ARGS", ()))))
     try:
         vllm_cluster.wait(p, d)
         yield p, d
@@ -47,7 +64,7 @@ def pdr_pair(monolithic, vllm_cluster):
         vllm_cluster.launcher.stop(p.process)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def stack(monolithic, pdr_pair, tmp_path_factory):
     p, d = pdr_pair
     s = p.spec
@@ -59,39 +76,44 @@ def stack(monolithic, pdr_pair, tmp_path_factory):
         yield url, monolithic, p, d
 
 
-@pytest.mark.parametrize("kind", ["completions", "chat"])
-@pytest.mark.parametrize("length", ["long", "short"])
-@pytest.mark.parametrize("stream", [False, True])
-def test_pdr_push_matches_single_instance(stack, sources, kind, length, stream):
-    url, mono, p, d = stack
-    body = body_for(kind, unique(LONG if length == "long" else SHORTISH), stream)
-    before_p, before_d = sources(p.url), sources(d.url)
-    ref_text, ref_ids, ref_usage = call(mono.url, kind, body_for(kind, body.get("prompt") or
-                                                                  body["messages"][0]["content"], False))
-    text, ids, usage = call(url, kind, body)
-    assert text == ref_text
-    if ref_ids is not None and ids is not None:
-        assert ids == ref_ids
-    assert usage["completion_tokens"] == MAX_TOKENS
-    n = ref_usage["prompt_tokens"]
-    assert (n > 256) if length == "long" else (n < 128), n
-    after_p, after_d = sources(p.url), sources(d.url)
-    assert after_d["local_compute"] == before_d["local_compute"], "decode computed prompt tokens itself"
-    assert after_d["external_kv_transfer"] - before_d["external_kv_transfer"] == n
-    assert after_p["local_compute"] - before_p["local_compute"] == n
+class _PushCore:
+    """Parity, prompt-token sources and concurrency: run for every transport class below."""
+
+    TRANSPORT = "cma"
+
+    @pytest.mark.parametrize("kind", ["completions", "chat"])
+    @pytest.mark.parametrize("length", ["long", "short"])
+    @pytest.mark.parametrize("stream", [False, True])
+    def test_pdr_push_matches_single_instance(self, stack, sources, kind, length, stream):
+        url, mono, p, d = stack
+        body = body_for(kind, unique(LONG if length == "long" else SHORTISH), stream)
+        before_p, before_d = sources(p.url), sources(d.url)
+        ref_text, ref_ids, ref_usage = call(mono.url, kind, body_for(kind, body.get("prompt") or
+                                                                      body["messages"][0]["content"], False))
+        text, ids, usage = call(url, kind, body)
+        assert text == ref_text
+        if ref_ids is not None and ids is not None:
+            assert ids == ref_ids
+        assert usage["completion_tokens"] == MAX_TOKENS
+        n = ref_usage["prompt_tokens"]
+        assert (n > 256) if length == "long" else (n < 128), n
+        after_p, after_d = sources(p.url), sources(d.url)
+        assert after_d["local_compute"] == before_d["local_compute"], "decode computed prompt tokens itself"
+        assert after_d["external_kv_transfer"] - before_d["external_kv_transfer"] == n
+        assert after_p["local_compute"] - before_p["local_compute"] == n
 
 
-def test_pdr_push_concurrent(stack, sources):
-    url, mono, p, d = stack
-    same = unique(LONG)  # identical prompts at once (seen to hang NixlPushConnector, PROTOCOLS.md 3)
-    prompts = [unique(LONG) for _ in range(3)] + [unique(SHORTISH) for _ in range(2)] + [same] * 3
-    refs = [call(mono.url, "completions", body_for("completions", q, False))[0] for q in prompts]
-    before_d = sources(d.url)
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda q: call(url, "completions", body_for("completions", q, False))[0],
-                            prompts, timeout=300))
-    assert got == refs
-    assert sources(d.url)["local_compute"] == before_d["local_compute"]
+    def test_pdr_push_concurrent(self, stack, sources):
+        url, mono, p, d = stack
+        same = unique(LONG)  # identical prompts at once (seen to hang NixlPushConnector, PROTOCOLS.md 3)
+        prompts = [unique(LONG) for _ in range(3)] + [unique(SHORTISH) for _ in range(2)] + [same] * 3
+        refs = [call(mono.url, "completions", body_for("completions", q, False))[0] for q in prompts]
+        before_d = sources(d.url)
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda q: call(url, "completions", body_for("completions", q, False))[0],
+                                prompts, timeout=300))
+        assert got == refs
+        assert sources(d.url)["local_compute"] == before_d["local_compute"]
 
 
 def _gauge(url: str, name: str) -> float:
@@ -104,83 +126,121 @@ def _idle(url: str) -> bool:
             and _gauge(url, "vllm:kv_cache_usage_perc") == 0)
 
 
-def test_pdr_push_client_disconnect(stack):
-    """The client goes away right after sending a long request (the tiny model prefills 1,500
-    tokens in about 0.2 s, so whether that is during prefill, push or decode is not controlled):
-    both instances release the request and its KV blocks well before the 60 s push timeout, and
-    the next requests are correct. The decode-aborted-while-waiting path is pinned
-    deterministically by test_decode_abort_while_waiting_releases_both_sides."""
-    url, mono, p, d = stack
-    host, port = url.removeprefix("http://").split(":")
-    body = json.dumps(body_for("completions", unique(LONG * 3), True)).encode()
-    with socket.create_connection((host, int(port))) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        time.sleep(0.05)
-    t0 = time.monotonic()
-    while not (_idle(p.url) and _idle(d.url)):
-        assert time.monotonic() - t0 < 30, (f"not released: P {_gauge(p.url, 'vllm:kv_cache_usage_perc')}, "
-                                            f"D {_gauge(d.url, 'vllm:kv_cache_usage_perc')}")
-        time.sleep(0.5)
-    for q in (unique(LONG), unique(SHORTISH)):
-        b = body_for("completions", q, False)
+class TestPdrPush(_PushCore):
+    """The default transport (cma, or $PD_ROUTER_TEST_PDR_TRANSPORT): core tests plus failure paths."""
+
+    TRANSPORT = TRANSPORT
+
+    def test_pdr_push_client_disconnect(self, stack):
+        """The client goes away right after sending a long request (the tiny model prefills 1,500
+        tokens in about 0.2 s, so whether that is during prefill, push or decode is not controlled):
+        both instances release the request and its KV blocks well before the 60 s push timeout, and
+        the next requests are correct. The decode-aborted-while-waiting path is pinned
+        deterministically by test_decode_abort_while_waiting_releases_both_sides."""
+        url, mono, p, d = stack
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps(body_for("completions", unique(LONG * 3), True)).encode()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        while not (_idle(p.url) and _idle(d.url)):
+            assert time.monotonic() - t0 < 30, (f"not released: P {_gauge(p.url, 'vllm:kv_cache_usage_perc')}, "
+                                                f"D {_gauge(d.url, 'vllm:kv_cache_usage_perc')}")
+            time.sleep(0.5)
+        for q in (unique(LONG), unique(SHORTISH)):
+            b = body_for("completions", q, False)
+            assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
+
+
+    def test_decode_fails_cleanly_when_prefill_is_unreachable(self, stack):
+        """A push D leg naming a side channel nobody listens on: the registration is refused, D fails
+        that request at once (not after the 60 s push timeout), frees its blocks and keeps serving."""
+        url, mono, p, d = stack
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead_port = s.getsockname()[1]  # closed again when the block ends
+        body = body_for("completions", unique(LONG), False)
+        body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                      "remote_engine_id": "nobody", "remote_host": "127.0.0.1",
+                                      "remote_port": dead_port, "remote_request_id": "x", "tp_size": 1}
+        t0 = time.monotonic()
+        r = httpx.post(d.url + "/v1/completions", json=body, timeout=120)
+        assert time.monotonic() - t0 < 30
+        assert r.status_code != 200 or r.json()["choices"][0].get("finish_reason") not in ("length", "stop"), r.text
+        t0 = time.monotonic()
+        while not _idle(d.url):
+            assert time.monotonic() - t0 < 10, "decode kept the failed request's blocks"
+            time.sleep(0.5)
+        b = body_for("completions", unique(SHORTISH), False)
         assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
 
 
-def test_decode_fails_cleanly_when_prefill_is_unreachable(stack):
-    """A push D leg naming a side channel nobody listens on: the registration is refused, D fails
-    that request at once (not after the 60 s push timeout), frees its blocks and keeps serving."""
-    url, mono, p, d = stack
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]  # closed again when the block ends
-    body = body_for("completions", unique(LONG), False)
-    body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                  "remote_engine_id": "nobody", "remote_host": "127.0.0.1",
-                                  "remote_port": dead_port, "remote_request_id": "x", "tp_size": 1}
-    t0 = time.monotonic()
-    r = httpx.post(d.url + "/v1/completions", json=body, timeout=120)
-    assert time.monotonic() - t0 < 30
-    assert r.status_code != 200 or r.json()["choices"][0].get("finish_reason") not in ("length", "stop"), r.text
-    t0 = time.monotonic()
-    while not _idle(d.url):
-        assert time.monotonic() - t0 < 10, "decode kept the failed request's blocks"
-        time.sleep(0.5)
-    b = body_for("completions", unique(SHORTISH), False)
-    assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
+    def test_decode_abort_while_waiting_releases_both_sides(self, stack):
+        """A D leg registered with the real prefill instance, whose P leg never comes: the client
+        aborts it after 2 s. D's connector asks P to drop the pairing, P answers 'dropped' and D
+        releases the request's blocks at once (well before the 60 s push timeout); P forgets the
+        registration and a later request with the same id is refused rather than written."""
+        url, mono, p, d = stack
+        s = p.spec
+        body = body_for("completions", unique(LONG), True)
+        body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                      "remote_engine_id": s.engine_id, "remote_host": s.kv_host,
+                                      "remote_port": s.kv_port, "remote_request_id": "x", "tp_size": 1}
 
+        def client():
+            with pytest.raises(httpx.TimeoutException):
+                with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=3.0) as r:
+                    for _ in r.iter_lines():
+                        pass
 
-def test_decode_abort_while_waiting_releases_both_sides(stack):
-    """A D leg registered with the real prefill instance, whose P leg never comes: the client
-    aborts it after 2 s. D's connector asks P to drop the pairing, P answers 'dropped' and D
-    releases the request's blocks at once (well before the 60 s push timeout); P forgets the
-    registration and a later request with the same id is refused rather than written."""
-    url, mono, p, d = stack
-    s = p.spec
-    body = body_for("completions", unique(LONG), True)
-    body["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                  "remote_engine_id": s.engine_id, "remote_host": s.kv_host,
-                                  "remote_port": s.kv_port, "remote_request_id": "x", "tp_size": 1}
-
-    def client():
-        with pytest.raises(httpx.TimeoutException):
-            with httpx.stream("POST", d.url + "/v1/completions", json=body, timeout=3.0) as r:
-                for _ in r.iter_lines():
-                    pass
-
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(client)
-        held = 0.0
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(client)
+            held = 0.0
+            t0 = time.monotonic()
+            while held == 0 and time.monotonic() - t0 < 2.5:
+                held = _gauge(d.url, "vllm:kv_cache_usage_perc")
+                time.sleep(0.1)
+            fut.result()
+        assert held > 0, "the waiting request's blocks must show in kv_cache_usage_perc (else this test proves nothing)"
         t0 = time.monotonic()
-        while held == 0 and time.monotonic() - t0 < 2.5:
-            held = _gauge(d.url, "vllm:kv_cache_usage_perc")
-            time.sleep(0.1)
-        fut.result()
-    assert held > 0, "the waiting request's blocks must show in kv_cache_usage_perc (else this test proves nothing)"
-    t0 = time.monotonic()
-    while not _idle(d.url):
-        assert time.monotonic() - t0 < 15, ("decode kept the aborted request's blocks: "
-                                            f"{_gauge(d.url, 'vllm:kv_cache_usage_perc')}")
-        time.sleep(0.5)
-    b = body_for("completions", unique(SHORTISH), False)
-    assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
+        while not _idle(d.url):
+            assert time.monotonic() - t0 < 15, ("decode kept the aborted request's blocks: "
+                                                f"{_gauge(d.url, 'vllm:kv_cache_usage_perc')}")
+            time.sleep(0.5)
+        b = body_for("completions", unique(SHORTISH), False)
+        assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
+
+
+class TestPdrPushNixl(_PushCore):
+    """The nixl backend (NIXL agents over UCX, host memory) inside vLLM: the core tests."""
+
+    TRANSPORT = "nixl"
+
+
+class TestPdrPushBlockSizeMismatch:
+    """D started with --block-size 64, P with the CPU default 128 (same model, same per-token
+    data, different block layout): the first registration is refused with the setting named in
+    both instances' logs, the request fails instead of producing wrong tokens, and both sides free
+    its blocks without waiting for a timeout (lease and push timeout are 600 s here)."""
+
+    TRANSPORT = TRANSPORT
+    DECODE_ARGS = ("--block-size", "64")
+    EXTRA = {"lease_s": 600, "push_timeout_s": 600}
+
+    def test_block_size_mismatch_fails_at_first_contact(self, stack):
+        url, mono, p, d = stack
+        body = body_for("completions", unique(LONG), False)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=300)
+        assert r.status_code != 200 or r.json()["choices"][0].get("finish_reason") not in ("length", "stop"), r.text
+        p_log = p.process.log_path.read_text(errors="replace")
+        d_log = d.process.log_path.read_text(errors="replace")
+        assert "refusing decode registration" in p_log and "prefill 128, decode 64" in p_log \
+            and "--block-size" in p_log
+        assert "refused the registration" in d_log and "--block-size" in d_log
+        t0 = time.monotonic()
+        while not (_idle(p.url) and _idle(d.url)):  # 600 s timeouts: only the refusal frees them
+            assert time.monotonic() - t0 < 120, (f"not released: P {_gauge(p.url, 'vllm:kv_cache_usage_perc')}, "
+                                                 f"D {_gauge(d.url, 'vllm:kv_cache_usage_perc')}")
+            time.sleep(0.5)
