@@ -171,6 +171,9 @@ class PdrPushConnector(KVConnectorBase_V1):
             # never registered, but the prefill side may hold (or be computing) its KV; tell it.
             params["do_remote_prefill"] = False
             port = params.get("remote_port")
+            log.info("pdr connector: decode request %s ended (%s) before it was scheduled: "
+                     "cancelling its push at %s:%s", request.request_id, request.status.name,
+                     params.get("remote_host"), port)
             if params.get("remote_host") and port is not None:
                 self._cancel_unscheduled.append(RemoteCancel(
                     base_request_id(request.request_id), str(params["remote_host"]), int(port)))

