@@ -39,7 +39,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from transport.base import Region
-from transport.kvmeta import RecvReq, SendReq, StepMeta, base_request_id, layout_from_planes, plane_of
+from transport.kvmeta import (RecvReq, RemoteCancel, SendReq, StepMeta, base_request_id, layout_from_planes,
+                              plane_of)
 from transport.push_state import PushReceiver, PushSender
 from transport.select import create
 
@@ -55,6 +56,33 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.pdr_connector")
+# transport.push_state logs to "pdr.push" (vLLM-free); inside vLLM show it like vLLM's own lines.
+_push_log = logging.getLogger("pdr.push")
+if not _push_log.handlers:
+    for _h in logging.getLogger("vllm").handlers:
+        _push_log.addHandler(_h)
+    _push_log.setLevel(logging.INFO)
+
+
+def check_supported(vllm_config: Any, kv_cache_config: Any = None) -> None:
+    """Raise ValueError at start-up (connector construction, KV cache registration) for settings
+    this connector cannot serve, naming them: it runs one worker per instance (one side channel,
+    one registration per request) and copies one KV cache group."""
+    par = getattr(vllm_config, "parallel_config", None)
+    bad = [f"{flag} {getattr(par, attr, 1)}" for attr, flag in (
+        ("tensor_parallel_size", "--tensor-parallel-size"),
+        ("pipeline_parallel_size", "--pipeline-parallel-size"),
+        ("data_parallel_size", "--data-parallel-size"),
+        ("prefill_context_parallel_size", "--prefill-context-parallel-size"),
+        ("decode_context_parallel_size", "--decode-context-parallel-size"),
+    ) if par is not None and int(getattr(par, attr, 1) or 1) > 1]
+    if bad:
+        raise ValueError(f"PdrPushConnector supports only one worker per instance: {', '.join(bad)} "
+                         "is not supported (use 1, or NixlConnector / NixlPushConnector)")
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is not None and len(groups) > 1:
+        raise ValueError(f"PdrPushConnector supports one KV cache group, this model has {len(groups)} "
+                         "(hybrid KV cache, e.g. sliding-window or mamba layers): not supported")
 
 
 class PdrConnectorMetadata(KVConnectorMetadata):
@@ -68,6 +96,7 @@ class PdrPushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_supported(vllm_config, kv_cache_config)
         cfg = self._kv_transfer_config
         self._extra: dict[str, Any] = dict(cfg.kv_connector_extra_config or {})
         self._engine_id = cfg.engine_id
@@ -80,6 +109,7 @@ class PdrPushConnector(KVConnectorBase_V1):
         self._inflight_sends: set[str] = set()
         self._cancel_sends: list[str] = []
         self._cancel_recvs: list[str] = []
+        self._cancel_unscheduled: list[RemoteCancel] = []
         self._waiting_recvs: set[str] = set()  # decode requests registered, push not yet in
         # worker side
         self.sender: PushSender | None = None
@@ -121,8 +151,10 @@ class PdrPushConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = PdrConnectorMetadata(StepMeta(sends=self._sends, recvs=self._recvs,
                                              cancel_sends=self._cancel_sends,
-                                             cancel_recvs=self._cancel_recvs))
+                                             cancel_recvs=self._cancel_recvs,
+                                             cancel_unscheduled=self._cancel_unscheduled))
         self._sends, self._recvs, self._cancel_sends, self._cancel_recvs = [], [], [], []
+        self._cancel_unscheduled = []
         return meta
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -133,6 +165,18 @@ class PdrPushConnector(KVConnectorBase_V1):
             # Decode request finished (aborted) while its push is outstanding. vLLM keeps its
             # blocks until we report it in finished_recving; the worker asks prefill to drop it.
             self._cancel_recvs.append(request.request_id)
+            return False, None
+        if params and params.get("do_remote_prefill"):
+            # Decode request finished (aborted) before it was scheduled: it has no blocks and
+            # never registered, but the prefill side may hold (or be computing) its KV; tell it.
+            params["do_remote_prefill"] = False
+            port = params.get("remote_port")
+            log.info("pdr connector: decode request %s ended (%s) before it was scheduled: "
+                     "cancelling its push at %s:%s", request.request_id, request.status.name,
+                     params.get("remote_host"), port)
+            if params.get("remote_host") and port is not None:
+                self._cancel_unscheduled.append(RemoteCancel(
+                    base_request_id(request.request_id), str(params["remote_host"]), int(port)))
             return False, None
         if not params or not params.get("do_remote_decode"):
             return False, None
@@ -160,11 +204,12 @@ class PdrPushConnector(KVConnectorBase_V1):
 
     def has_pending_push_work(self) -> bool:
         return bool(self._inflight_sends or self._sends or self._recvs or self._cancel_sends
-                    or self._cancel_recvs)
+                    or self._cancel_recvs or self._cancel_unscheduled)
 
     # ---- worker side --------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        check_supported(self._vllm_config, self._kv_cache_config)
         num_blocks = self._kv_cache_config.num_blocks
         planes: list[tuple[int, int, int]] = []
         regions: dict[int, int] = {}
@@ -215,6 +260,9 @@ class PdrPushConnector(KVConnectorBase_V1):
         for rid in meta.step.cancel_recvs:
             if self.receiver is not None:
                 self.receiver.abort(rid)
+        for c in meta.step.cancel_unscheduled:
+            if self.receiver is not None:
+                self.receiver.cancel_unscheduled(c.base_id, c.remote_host, c.remote_port)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

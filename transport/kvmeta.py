@@ -52,6 +52,16 @@ class RecvReq:
 
 
 @dataclass
+class RemoteCancel:
+    """Decode side: a request that finished (aborted) before it was scheduled, so it never
+    registered; the prefill side is still told, so it frees the prefill's blocks at once."""
+
+    base_id: str
+    remote_host: str
+    remote_port: int
+
+
+@dataclass
 class StepMeta:
     """Scheduler -> worker, once per step."""
 
@@ -61,9 +71,12 @@ class StepMeta:
     cancel_sends: list[str] = field(default_factory=list)
     # decode side: request ids aborted while waiting for their push
     cancel_recvs: list[str] = field(default_factory=list)
+    # decode side: requests that finished before they were scheduled (no blocks, no registration)
+    cancel_unscheduled: list[RemoteCancel] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not (self.sends or self.recvs or self.cancel_sends or self.cancel_recvs)
+        return not (self.sends or self.recvs or self.cancel_sends or self.cancel_recvs
+                    or self.cancel_unscheduled)
 
 
 @dataclass
@@ -78,12 +91,21 @@ class KVLayout:
     block_size: int  # tokens per block
 
     def compatible(self, other: "KVLayout") -> str | None:
-        """None when blocks can be copied plane by plane, else why not."""
+        """None when blocks can be copied plane by plane, else why not (``self`` is the prefill
+        side, ``other`` the decode side), naming the setting to align."""
         if len(self.bases) != len(other.bases):
-            return f"plane count differs ({len(self.bases)} vs {len(other.bases)})"
-        if self.block_bytes != other.block_bytes or self.block_size != other.block_size:
+            return (f"plane count differs ({len(self.bases)} vs {len(other.bases)}): "
+                    "prefill and decode must serve the same model (same layers)")
+        if self.block_size != other.block_size:
             return (f"block shape differs ({self.block_bytes} B/{self.block_size} tokens vs "
-                    f"{other.block_bytes} B/{other.block_size} tokens)")
+                    f"{other.block_bytes} B/{other.block_size} tokens): --block-size differs "
+                    f"(prefill {self.block_size}, decode {other.block_size}); start both "
+                    "instances with the same --block-size")
+        if self.block_bytes != other.block_bytes:
+            return (f"block shape differs ({self.block_bytes} B/{self.block_size} tokens vs "
+                    f"{other.block_bytes} B/{other.block_size} tokens): same block size but "
+                    "different bytes per block (model, --dtype / --kv-cache-dtype or "
+                    "tensor-parallel size differ)")
         return None
 
 

@@ -150,9 +150,9 @@ class PushSender:
         self._writer: threading.Thread | None = None
 
     def start(self) -> None:
+        self.transport.start()  # before register(): nixl registers memory with its started agent
         for r in self._regions:
             self.transport.register(r)
-        self.transport.start()
         self.server = SideChannelServer(self._host, self._port, self.on_message)
         self._writer = threading.Thread(target=self._write_loop, name="pdr-push-writer", daemon=True)
         self._writer.start()
@@ -181,8 +181,30 @@ class PushSender:
             self._writing.add(send.base_id)
         self._jobs.put((send, *hit))
 
+    def incompatible(self, reg: Registration) -> str | None:
+        """Why this decode's blocks cannot receive our blocks (transport or KV layout), or None."""
+        if reg.backend != self.transport.name:
+            return (f"decode uses transport {reg.backend!r}, prefill {self.transport.name!r}: set "
+                    "the same kv_connector_extra_config.transport on both instances")
+        why = self.layout.compatible(reg.layout)
+        return f"KV layouts differ: {why}" if why else None
+
     def on_registration(self, reg: Registration) -> dict:
         now = self._clock()
+        why = self.incompatible(reg)
+        if why:
+            # First contact of a mismatched pair: refuse it (decode fails the request at once and
+            # logs the reason) and release our side of the request now, not after lease_s.
+            with self._lock:
+                self._regs.pop(reg.base_id, None)
+                hit = self._ready.pop(reg.base_id, None)
+                if hit is not None:
+                    self._done.add(hit[0].req_id)
+                else:
+                    self._cancelled[reg.base_id] = now
+                self.stats["failed"] += 1
+            log.error("push: refusing decode registration of %s: %s", reg.dst_req_id, why)
+            return {"ok": False, "error": f"prefill refused the registration: {why}"}
         with self._lock:
             if self._cancelled.pop(reg.base_id, None) is not None:
                 return {"ok": False, "error": "the prefill of this request was cancelled"}
@@ -271,11 +293,9 @@ class PushSender:
         return peer
 
     def _write(self, send: SendReq, reg: Registration, t_reg: float) -> None:
-        if reg.backend != self.transport.name:
-            raise ValueError(f"decode uses transport {reg.backend!r}, prefill {self.transport.name!r}")
-        why = self.layout.compatible(reg.layout)
+        why = self.incompatible(reg)  # checked at registration already; kept as a guard
         if why:
-            raise ValueError(f"KV layouts differ: {why}")
+            raise ValueError(why)
         margin = min(self.transfer_timeout, reg.valid_for / 2)
         if self._clock() > t_reg + reg.valid_for - margin:
             raise TimeoutError("registration too old: decode may already have given up")
@@ -333,9 +353,9 @@ class PushReceiver:
         self._endpoint = b""
 
     def start(self) -> None:
+        self.transport.start()  # before register(): nixl registers memory with its started agent
         for r in self._regions:
             self.transport.register(r)
-        self.transport.start()
         self._endpoint = self.transport.endpoint()
 
     def expect(self, recv: RecvReq) -> None:
@@ -358,6 +378,21 @@ class PushReceiver:
         if recv is not None:
             self._pool.submit(self._abort, recv)
 
+    def cancel_unscheduled(self, base_id: str, host: str, port: int) -> None:
+        """A request that finished before it was scheduled (so it has no blocks and never
+        registered): tell the prefill side, which then frees its blocks for it at once (or drops
+        the prefill when it finishes later) instead of holding them for ``lease_s``."""
+        if host and port > 0:
+            self._pool.submit(self._cancel_unscheduled, base_id, host, port)
+
+    def _cancel_unscheduled(self, base_id: str, host: str, port: int) -> None:
+        try:
+            answer = self._send(host, port, json.dumps({"kind": "cancel", "base_id": base_id}).encode())
+            log.info("push: told %s:%s that unscheduled %s was cancelled: %s", host, port, base_id,
+                     answer.get("state"))
+        except Exception as e:  # noqa: BLE001 - prefill keeps its blocks until its lease ends
+            log.warning("push: cancelling unscheduled %s at %s:%s failed: %s", base_id, host, port, e)
+
     def _abort(self, recv: RecvReq) -> None:
         try:
             answer = self._send(recv.remote_host, recv.remote_port,
@@ -372,11 +407,14 @@ class PushReceiver:
     def _register(self, recv: RecvReq, reg: Registration) -> None:
         try:
             answer = self._send(recv.remote_host, recv.remote_port, reg.encode())
-            if not answer.get("ok"):
-                raise RuntimeError(answer.get("error") or "refused")
         except Exception as e:  # noqa: BLE001 - fail the request, free the blocks
             log.warning("push: registering %s with %s:%s failed: %s", recv.req_id, recv.remote_host,
                         recv.remote_port, e)
+            self._fail(recv.req_id)
+            return
+        if not answer.get("ok"):
+            log.error("push: %s:%s refused the registration of %s: %s", recv.remote_host,
+                      recv.remote_port, recv.req_id, answer.get("error") or "refused")
             self._fail(recv.req_id)
 
     def _fail(self, req_id: str) -> None:

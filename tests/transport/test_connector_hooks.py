@@ -99,3 +99,48 @@ def test_decode_aborted_while_waiting_is_cancelled_until_reported():
     c.update_connector_output(SimpleNamespace(finished_sending=set(), finished_recving={req.request_id}))
     assert c.request_finished(req, [1, 2, 3]) == (False, None)
     assert c.build_connector_meta(None).step.empty()
+
+
+def test_decode_aborted_before_it_was_scheduled_still_cancels_at_prefill():
+    """No blocks, no registration yet (aborted in the waiting queue): the worker is still asked
+    to tell the prefill side, so that P frees its blocks at once instead of after lease_s."""
+    from transport.kvmeta import RemoteCancel
+
+    c = make("kv_consumer")
+    req = d_request()
+    req.status = RequestStatus.FINISHED_ABORTED
+    assert c.request_finished(req, []) == (False, None)
+    assert c.has_pending_push_work()
+    step = c.build_connector_meta(None).step
+    assert step.cancel_unscheduled == [RemoteCancel("cmpl-r-0", "10.0.0.1", 5600)]
+    assert not step.cancel_recvs and not step.recvs
+    assert c.request_finished(req, []) == (False, None)  # once
+    assert c.build_connector_meta(None).step.empty()
+
+
+def _parallel(**kw):
+    base = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1,
+                prefill_context_parallel_size=1, decode_context_parallel_size=1)
+    return SimpleNamespace(**(base | kw))
+
+
+@pytest.mark.parametrize("attr,flag", [("tensor_parallel_size", "--tensor-parallel-size 2"),
+                                       ("pipeline_parallel_size", "--pipeline-parallel-size 2"),
+                                       ("data_parallel_size", "--data-parallel-size 2")])
+def test_unsupported_parallelism_fails_at_construction(attr, flag):
+    cfg = SimpleNamespace(kv_connector_extra_config={}, engine_id="e0", kv_role="kv_both", is_kv_producer=True)
+    vcfg = SimpleNamespace(kv_transfer_config=cfg, cache_config=SimpleNamespace(block_size=16),
+                           parallel_config=_parallel(**{attr: 2}))
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=flag):
+            PdrPushConnector(vcfg, role, SimpleNamespace(num_blocks=100))
+    vcfg.parallel_config = _parallel()
+    PdrPushConnector(vcfg, KVConnectorRole.SCHEDULER, SimpleNamespace(num_blocks=100))  # all 1: fine
+
+
+def test_hybrid_kv_cache_groups_fail_at_construction():
+    cfg = SimpleNamespace(kv_connector_extra_config={}, engine_id="e0", kv_role="kv_both", is_kv_producer=True)
+    vcfg = SimpleNamespace(kv_transfer_config=cfg, cache_config=SimpleNamespace(block_size=16),
+                           parallel_config=_parallel())
+    with pytest.raises(ValueError, match="one KV cache group, this model has 2"):
+        PdrPushConnector(vcfg, KVConnectorRole.WORKER, SimpleNamespace(num_blocks=100, kv_cache_groups=[1, 2]))

@@ -12,6 +12,7 @@ from transport import Region, create
 from transport.kvmeta import (KVLayout, RecvReq, Registration, SendReq, base_request_id, layout_from_planes,
                               pair_blocks, plane_of)
 from transport.push_state import PushReceiver, PushSender, side_request
+from transport_testlib import NIXL_OK, NIXL_WHY, UCX_ENV
 
 
 def test_base_request_id_strips_only_the_random_suffix():
@@ -75,10 +76,14 @@ class _Side:
         self.regions = [Region(base, self.arr.nbytes)]
 
 
+def _make(backend):
+    return create("nixl", ucx_env=UCX_ENV) if backend == "nixl" else create(backend)
+
+
 def _pair(backend, *, lease_s=30.0, timeout_s=10.0):
     p, d = _Side(fill=1), _Side()
-    sender = PushSender(create(backend), p.layout, p.regions, lease_s=lease_s, transfer_timeout=5)
-    receiver = PushReceiver(create(backend), d.layout, d.regions, timeout_s=timeout_s)
+    sender = PushSender(_make(backend), p.layout, p.regions, lease_s=lease_s, transfer_timeout=5)
+    receiver = PushReceiver(_make(backend), d.layout, d.regions, timeout_s=timeout_s)
     sender.start()
     receiver.start()
     return p, d, sender, receiver
@@ -95,7 +100,8 @@ def _wait(receiver, rid, limit=10.0):
     return fin, fail
 
 
-@pytest.mark.parametrize("backend", ["cma", "tcp"])
+@pytest.mark.parametrize("backend", ["cma", "tcp", pytest.param("nixl", marks=pytest.mark.skipif(
+    not NIXL_OK, reason=f"nixl not importable: {NIXL_WHY}"))])
 @pytest.mark.parametrize("order", ["prefill-first", "registration-first"])
 def test_push_writes_blocks_in_either_order(backend, order):
     p, d, sender, receiver = _pair(backend)
@@ -234,6 +240,99 @@ def test_decode_abort_while_writing_waits_for_the_write():
         receiver.abort("cmpl-i-0-22222222")
         time.sleep(0.5)
         assert receiver.poll() == (set(), set())  # still waiting for the notification
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _done_within(sender, req_id, limit=5.0):
+    done = set()
+    end = time.monotonic() + limit
+    while req_id not in done and time.monotonic() < end:
+        done |= sender.poll_done()
+        time.sleep(0.01)
+    return done
+
+
+def test_unscheduled_decode_cancel_frees_a_finished_prefill_at_once():
+    """The decode request was aborted before it was scheduled (no blocks, no registration): the
+    cancel still reaches the prefill side, which frees its finished prefill's blocks at once
+    (lease_s is 30 s here)."""
+    p, d, sender, receiver = _pair("tcp")
+    try:
+        sender.add_finished(SendReq("cmpl-j-0-11111111", "cmpl-j-0", [1], 10))
+        assert sender.poll_done() == set()  # held for the decode side
+        receiver.cancel_unscheduled("cmpl-j-0", "127.0.0.1", sender.port)
+        assert _done_within(sender, "cmpl-j-0-11111111") == {"cmpl-j-0-11111111"}
+        assert sender.stats["written"] == 0 and sender.stats["expired"] == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_unscheduled_decode_cancel_before_the_prefill_finished():
+    p, d, sender, receiver = _pair("tcp")
+    try:
+        receiver.cancel_unscheduled("cmpl-k-0", "127.0.0.1", sender.port)
+        end = time.monotonic() + 5
+        while "cmpl-k-0" not in sender._cancelled and time.monotonic() < end:
+            time.sleep(0.01)
+        assert "cmpl-k-0" in sender._cancelled
+        sender.add_finished(SendReq("cmpl-k-0-11111111", "cmpl-k-0", [1], 10))
+        assert sender.poll_done() == {"cmpl-k-0-11111111"}  # released at once, nothing written
+        assert not d.arr.any()
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_unscheduled_cancel_without_a_prefill_address_sends_nothing():
+    sent = []
+    r = PushReceiver(create("tcp"), KVLayout([0], 64, 64, 16), [], sender=lambda *a, **k: sent.append(a))
+    r.cancel_unscheduled("cmpl-l-0", "", 5600)
+    r.cancel_unscheduled("cmpl-l-0", "127.0.0.1", -1)
+    r._pool.shutdown(wait=True)
+    assert sent == []
+
+
+@pytest.mark.parametrize("order", ["prefill-first", "registration-first"])
+def test_block_size_mismatch_is_refused_at_registration(order, caplog):
+    """Different --block-size on the two sides: the first registration is refused (logged at
+    both sides with the setting named), decode fails the request at once, and prefill frees its
+    blocks at once instead of after lease_s."""
+    p, d, sender, receiver = _pair("tcp")
+    caplog.set_level("INFO", logger="pdr.push")
+    try:
+        lay = d.layout
+        receiver.layout = KVLayout(lay.bases, lay.block_bytes // 2, lay.stride, 8)  # 8-token blocks
+        send = SendReq("cmpl-m-0-11111111", "cmpl-m-0", [1], 10)
+        recv = RecvReq("cmpl-m-0-22222222", "cmpl-m-0", [1, 2], 0, 10, "127.0.0.1", sender.port)
+        if order == "prefill-first":
+            sender.add_finished(send)
+        receiver.expect(recv)
+        fin, fail = _wait(receiver, recv.req_id, 5)
+        assert fail == {recv.req_id}
+        if order == "registration-first":
+            sender.add_finished(send)
+        assert _done_within(sender, send.req_id) == {send.req_id}
+        assert not d.arr.any() and sender.stats["written"] == 0
+        msgs = [r.getMessage() for r in caplog.records]
+        assert any("refusing decode registration of cmpl-m-0-22222222" in m and "--block-size" in m
+                   and "prefill 16, decode 8" in m for m in msgs), msgs
+        assert any("refused the registration of cmpl-m-0-22222222" in m and "--block-size" in m
+                   for m in msgs), msgs
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_transport_mismatch_is_refused_at_registration():
+    p, d, sender, receiver = _pair("tcp")
+    try:
+        reg = Registration(base_id="cmpl-n-0", dst_req_id="cmpl-n-0-22222222", endpoint=b"x", backend="cma",
+                           block_ids=[1], first_block=0, num_tokens=10, layout=d.layout, valid_for=5.0)
+        answer = side_request("127.0.0.1", sender.port, reg.encode())
+        assert answer["ok"] is False and "transport" in answer["error"] and "'cma'" in answer["error"]
     finally:
         sender.close()
         receiver.close()
