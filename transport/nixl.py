@@ -18,7 +18,6 @@ import base64
 import importlib
 import importlib.util
 import itertools
-import mmap
 import os
 import sys
 import threading
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from transport import _wire
+from transport._common import anon_mmap
 from transport.base import (Buffer, MemKind, Notification, PeerLost, Region, RegionError,
                             Transfer, TransferFailed, TransferTimeout, TransportError,
                             TransportUnavailable)
@@ -181,7 +181,7 @@ class NixlTransport:
 
     # --------------------------------------------------------------------- memory
     def allocate(self, nbytes: int) -> Buffer:
-        mm = mmap.mmap(-1, nbytes)
+        mm = anon_mmap(nbytes)
         a = np.frombuffer(mm, dtype=np.uint8)
         buf = Buffer(mm, Region(int(a.ctypes.data), nbytes))
         del a
