@@ -3,11 +3,16 @@
     PYTHONPATH=. python benchmarks/transport_bench.py [--size-mib 1024] [--repeat 3]
 
 1. memcpy ceiling: the C core's memcpy batch in this process, destination blocks randomly permuted
-   (the same descriptors the backends get), per block size (the row shows the best seen).
+   (the same descriptors the backends get), per block size, on as many threads as the backend
+   it is compared with copies on (split the same way, by bytes); the rows show the best seen.
+   All memory (source, ceiling destination, receiver's destination) is private anonymous memory,
+   huge-page advised (MADV_HUGEPAGE) before it is first touched, then written once: the same kind
+   of memory on both sides, every page faulted in before any timing. PDR_KV_HUGEPAGES=0 turns the
+   advice off everywhere (the receiver inherits the environment).
 2. Each backend that runs here: 1 GiB from this process into a receiver process, destination
    blocks randomly permuted, timed from write() to the receiver's acknowledgement (nixl: to
-   DONE). Runs alternate with ceiling runs of the same block size; best of --repeat each; the
-   cell is backend / ceiling (GB/s in brackets).
+   DONE). Runs alternate with ceiling runs of the same block size and thread count; best of
+   --repeat each; the cell is backend / ceiling (GB/s in brackets).
 3. Descriptor build for 1,000 blocks x 64 layers, permuted: C core, Python twin, plain numpy.
 The machine is shared and noisy: compare ratios, not absolutes.
 """
@@ -16,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import base64
-import mmap
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -28,6 +33,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from transport import _core, layout  # noqa: E402
+from transport._common import anon_mmap, hugepages_wanted  # noqa: E402
 from transport.base import Buffer, Region  # noqa: E402
 from transport.select import available, create  # noqa: E402
 
@@ -66,7 +72,7 @@ def serve(backend: str, nbytes: int) -> None:
 
 
 def anon(nbytes: int) -> Buffer:
-    mm = mmap.mmap(-1, nbytes)
+    mm = anon_mmap(nbytes)  # as the transports allocate: huge-page advised before first touch
     view = np.frombuffer(mm, dtype=np.uint8)
     addr = int(view.ctypes.data)
     del view
@@ -87,10 +93,10 @@ def best(fn, repeat: int) -> float:
     return min(times)
 
 
-def bench_backend(backend: str, src, nbytes: int, repeat: int, rng, memcpy, **kw):
+def bench_backend(backend: str, src, nbytes: int, repeat: int, rng, memcpy, threads: int = 1, **kw):
     """Per block size: (backend rate, memcpy rate), runs alternating between the two so that both
-    see the same moments of a shared machine; best of ``repeat`` each. ``memcpy(block)`` times
-    one ceiling run."""
+    see the same moments of a shared machine; best of ``repeat`` each. ``memcpy(block, threads)``
+    times one ceiling run on ``threads`` threads."""
     env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
     proc = subprocess.Popen([sys.executable, __file__, "--serve", backend, str(nbytes)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
@@ -106,7 +112,7 @@ def bench_backend(backend: str, src, nbytes: int, repeat: int, rng, memcpy, **kw
                 descs = permuted(src.region.addr, int(addr), nbytes, block, rng)
                 t_mem, t_back = [], []
                 for _ in range(repeat):
-                    t_mem.append(memcpy(block))
+                    t_mem.append(memcpy(block, threads))
                     t_back.append(best(lambda: tx.write(peer, descs, b"b", timeout=120).wait(), 1))
                 out[block] = (nbytes / min(t_back), nbytes / min(t_mem))
             return out
@@ -130,16 +136,27 @@ def main() -> None:
     nbytes, rng = args.size_mib * MiB, np.random.default_rng(0)
     here = available()
     print(f"transport bench: {args.size_mib} MiB per transfer, best of {args.repeat}, "
-          f"core={_core.IMPLEMENTATION}, {os.cpu_count()} CPUs")
+          f"core={_core.IMPLEMENTATION}, {os.cpu_count()} CPUs, "
+          f"huge pages {'advised' if hugepages_wanted() else 'off'}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     src, dst = anon(nbytes), anon(nbytes)
     src.array[:] = 1
     dst.array[:] = 0
-    ceiling: dict[int, float] = {}
+    ceiling: dict[tuple[int, int], float] = {}  # (threads, block) -> best rate
     ceiling_descs = {b: permuted(src.region.addr, dst.region.addr, nbytes, b, rng) for b in BLOCKS}
+    pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1))
 
-    def memcpy(block: int) -> float:
-        t = best(lambda: _core.copy_batch(ceiling_descs[block]), 1)
-        ceiling[block] = max(ceiling.get(block, 0.0), nbytes / t)
+    def memcpy(block: int, threads: int = 1) -> float:
+        """One ceiling run: the descriptors cut into ``threads`` parts of equal bytes (as the
+        backends' copy threads cut them), each part copied by its own thread (GIL released)."""
+        parts = layout.split(ceiling_descs[block], threads)
+
+        def run():
+            for f in [pool.submit(_core.copy_batch, p) for p in parts]:
+                f.result()
+
+        t = best(run if threads > 1 else lambda: _core.copy_batch(ceiling_descs[block]), 1)
+        ceiling[threads, block] = max(ceiling.get((threads, block), 0.0), nbytes / t)
         return t
 
     for b in BLOCKS:  # warm up
@@ -149,22 +166,25 @@ def main() -> None:
         ok, why = here[backend]
         threads = getattr(create(backend), "threads", 1) if backend in ("cma", "shm") else 0
         label = f"{backend} ({threads} copy thread{'s' * (threads > 1)})" if threads else backend
-        results[label] = bench_backend(backend, src, nbytes, args.repeat, rng, memcpy) if ok else why
-        if ok and threads > 1:  # also show what one thread does
+        results[label] = (bench_backend(backend, src, nbytes, args.repeat, rng, memcpy,
+                                        threads=max(1, threads)) if ok else why)
+        if ok and threads > 1:  # also show what one thread does, against a one-thread ceiling
             results[f"{backend} (1 copy thread)"] = bench_backend(backend, src, nbytes, args.repeat,
                                                                    rng, memcpy, threads=1)
+    pool.shutdown()
     dst.close()
     src.close()
 
     head = "| path | " + " | ".join(f"{b // KiB} KiB" if b < MiB else "1 MiB" for b in BLOCKS) + " |"
-    rows = [head, "|---" * (len(BLOCKS) + 1) + "|",
-            "| memcpy ceiling (best in run), GB/s | " + " | ".join(f"{ceiling[b] / 1e9:.2f}" for b in BLOCKS)
-            + " |"]
+    rows = [head, "|---" * (len(BLOCKS) + 1) + "|"]
+    for n in sorted({n for n, _ in ceiling}):
+        rows.append(f"| memcpy ceiling, {n} thread{'s' * (n > 1)} (best in run), GB/s | "
+                    + " | ".join(f"{ceiling.get((n, b), 0) / 1e9:.2f}" for b in BLOCKS) + " |")
     for backend, got in results.items():
         if isinstance(got, str):
             rows.append(f"| {backend} | not available here: {got} |")
         else:
-            rows.append(f"| {backend}: x ceiling (GB/s) | " + " | ".join(
+            rows.append(f"| {backend}: x ceiling{' (2 threads)' if '2 copy' in backend else ''} (GB/s) | " + " | ".join(
                 f"{got[b][0] / got[b][1]:.2f} ({got[b][0] / 1e9:.2f})" for b in BLOCKS) + " |")
 
     planes, blocks, bb = 64, 1000, 64 * KiB
@@ -177,6 +197,7 @@ def main() -> None:
                      ("numpy", lambda: layout.build_descriptors_numpy(sb, db, bb, bb, si, di))):
         build[name] = best(fn, 20 if name != "Python twin" else 3) * 1e3
     print()
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print("\n".join(rows))
     print()
     print(f"descriptor build, {blocks} blocks x {planes} layers, permuted ({planes * blocks} descriptors):")
