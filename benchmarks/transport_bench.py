@@ -5,10 +5,11 @@
 1. memcpy ceiling: the C core's memcpy batch in this process, destination blocks randomly permuted
    (the same descriptors the backends get), per block size, on as many threads as the backend
    it is compared with copies on (split the same way, by bytes); the rows show the best seen.
-   All memory (source, ceiling destination, receiver's destination) is private anonymous memory,
-   huge-page advised (MADV_HUGEPAGE) before it is first touched, then written once: the same kind
-   of memory on both sides, every page faulted in before any timing. PDR_KV_HUGEPAGES=0 turns the
-   advice off everywhere (the receiver inherits the environment).
+   The ceiling's destination is the same kind of memory as the backend's: for shm a memfd
+   mapping (as shm's sender maps the receiver's memfds), for the others private anonymous memory
+   huge-page advised (MADV_HUGEPAGE) before first touch, as the transports' allocate() gives the
+   receiver; the source is that same anonymous kind. Every page is faulted in before any timing.
+   PDR_KV_HUGEPAGES=0 turns the advice off everywhere (the receiver inherits the environment).
 2. Each backend that runs here: 1 GiB from this process into a receiver process, destination
    blocks randomly permuted, timed from write() to the receiver's acknowledgement (nixl: to
    DONE). Runs alternate with ceiling runs of the same block size and thread count; best of
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import mmap
 import os
 import subprocess
 import sys
@@ -77,6 +79,16 @@ def anon(nbytes: int) -> Buffer:
     addr = int(view.ctypes.data)
     del view
     return Buffer(mm, Region(addr, nbytes))
+
+
+def memfd(nbytes: int) -> Buffer:
+    fd = os.memfd_create("bench-ceiling", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    mm = mmap.mmap(fd, nbytes)  # MAP_SHARED, as shm's sender maps the receiver's memfds
+    view = np.frombuffer(mm, dtype=np.uint8)
+    addr = int(view.ctypes.data)
+    del view
+    return Buffer(mm, Region(addr, nbytes), fd)
 
 
 def permuted(src: int, dst: int, nbytes: int, block: int, rng) -> np.ndarray:
@@ -139,47 +151,65 @@ def main() -> None:
           f"core={_core.IMPLEMENTATION}, {os.cpu_count()} CPUs, "
           f"huge pages {'advised' if hugepages_wanted() else 'off'}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    src, dst = anon(nbytes), anon(nbytes)
+    src = anon(nbytes)
     src.array[:] = 1
-    dst.array[:] = 0
-    ceiling: dict[tuple[int, int], float] = {}  # (threads, block) -> best rate
-    ceiling_descs = {b: permuted(src.region.addr, dst.region.addr, nbytes, b, rng) for b in BLOCKS}
+    ceiling: dict[tuple[str, int, int], float] = {}  # (destination kind, threads, block) -> best
+    cdst: dict = {}  # the ceiling's destination now: kind, buffer, descriptors per block size
     pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1))
+
+    def ceiling_destination(kind: str) -> None:
+        """The ceiling copies into the same kind of memory as the backend's destination: a
+        memfd mapping for shm (shared memory; THP is off for it on this kernel), else private
+        anonymous memory allocated as the transports allocate it. Faulted in before timing."""
+        if cdst.get("kind") == kind:
+            return
+        if cdst:
+            cdst["buf"].close()
+        buf = memfd(nbytes) if kind == "memfd" else anon(nbytes)
+        buf.array[:] = 0
+        cdst.update(kind=kind, buf=buf,
+                    descs={b: permuted(src.region.addr, buf.region.addr, nbytes, b, rng) for b in BLOCKS})
+        for b in BLOCKS:  # warm up
+            memcpy(b)
 
     def memcpy(block: int, threads: int = 1) -> float:
         """One ceiling run: the descriptors cut into ``threads`` parts of equal bytes (as the
         backends' copy threads cut them), each part copied by its own thread (GIL released)."""
-        parts = layout.split(ceiling_descs[block], threads)
+        descs = cdst["descs"][block]
+        parts = layout.split(descs, threads)
 
         def run():
             for f in [pool.submit(_core.copy_batch, p) for p in parts]:
                 f.result()
 
-        t = best(run if threads > 1 else lambda: _core.copy_batch(ceiling_descs[block]), 1)
-        ceiling[threads, block] = max(ceiling.get((threads, block), 0.0), nbytes / t)
+        t = best(run if threads > 1 else lambda: _core.copy_batch(descs), 1)
+        key = (cdst["kind"], threads, block)
+        ceiling[key] = max(ceiling.get(key, 0.0), nbytes / t)
         return t
 
-    for b in BLOCKS:  # warm up
-        memcpy(b)
     results = {}
     for backend in args.backends.split(","):
         ok, why = here[backend]
         threads = getattr(create(backend), "threads", 1) if backend in ("cma", "shm") else 0
         label = f"{backend} ({threads} copy thread{'s' * (threads > 1)})" if threads else backend
+        if ok:
+            ceiling_destination("memfd" if backend == "shm" else "anon")
         results[label] = (bench_backend(backend, src, nbytes, args.repeat, rng, memcpy,
                                         threads=max(1, threads)) if ok else why)
         if ok and threads > 1:  # also show what one thread does, against a one-thread ceiling
             results[f"{backend} (1 copy thread)"] = bench_backend(backend, src, nbytes, args.repeat,
                                                                    rng, memcpy, threads=1)
     pool.shutdown()
-    dst.close()
+    if cdst:
+        cdst["buf"].close()
     src.close()
 
     head = "| path | " + " | ".join(f"{b // KiB} KiB" if b < MiB else "1 MiB" for b in BLOCKS) + " |"
     rows = [head, "|---" * (len(BLOCKS) + 1) + "|"]
-    for n in sorted({n for n, _ in ceiling}):
-        rows.append(f"| memcpy ceiling, {n} thread{'s' * (n > 1)} (best in run), GB/s | "
-                    + " | ".join(f"{ceiling.get((n, b), 0) / 1e9:.2f}" for b in BLOCKS) + " |")
+    names = {"anon": "into private memory", "memfd": "into a memfd (shm's kind)"}
+    for kind, n in sorted({(k, n) for k, n, _ in ceiling}):
+        rows.append(f"| memcpy ceiling {names[kind]}, {n} thread{'s' * (n > 1)} (best in run), GB/s | "
+                    + " | ".join(f"{ceiling.get((kind, n, b), 0) / 1e9:.2f}" for b in BLOCKS) + " |")
     for backend, got in results.items():
         if isinstance(got, str):
             rows.append(f"| {backend} | not available here: {got} |")
