@@ -120,8 +120,9 @@ def advise_hugepages(addr: int, nbytes: int) -> bool:
 
 
 def anon_mmap(nbytes: int) -> mmap.mmap:
-    """Private anonymous memory, huge-page advised before any page is touched."""
-    mm = mmap.mmap(-1, nbytes)
+    """Private anonymous memory, huge-page advised before any page is touched. (Python's
+    ``mmap.mmap(-1, n)`` alone is MAP_SHARED: shmem, which gets no huge pages here.)"""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hugepages_wanted() and hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)

@@ -166,5 +166,11 @@ def test_hugepage_advice_is_best_effort(monkeypatch):
     monkeypatch.setenv("PDR_KV_HUGEPAGES", "0")
     assert advise_hugepages(addr, 6 << 20) is False
     a[:] = 1
+    # Private anonymous memory (counted as Anonymous in smaps): MAP_SHARED would be shmem, which
+    # this kernel never backs with huge pages, whatever the advice.
+    smaps = open("/proc/self/smaps").read()
+    block = smaps[smaps.index(f"{addr:x}-"):]
+    anonymous_kb = int(block.split("Anonymous:")[1].split()[0])
+    assert anonymous_kb == 6 << 10
     del a
     mm.close()
