@@ -5,7 +5,9 @@
 1. memcpy ceiling: the C core's memcpy batch in this process, destination blocks randomly permuted
    (the same descriptors the backends get), per block size, on as many threads as the backend
    it is compared with copies on (split the same way, by bytes); the rows show the best seen.
-   The ceiling's destination is the same kind of memory as the backend's: for shm a memfd
+   The ceiling copies the rows in the order the backend copies them (cma: destination order,
+   layout.by_destination; the others: as built). Its destination is the same kind of memory as
+   the backend's: for shm a memfd
    mapping (as shm's sender maps the receiver's memfds), for the others private anonymous memory
    huge-page advised (MADV_HUGEPAGE) before first touch, as the transports' allocate() gives the
    receiver; the source is that same anonymous kind. Every page is faulted in before any timing.
@@ -164,22 +166,26 @@ def main() -> None:
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     src = anon(nbytes)
     src.array[:] = 1
-    ceiling: dict[tuple[str, int, int], float] = {}  # (destination kind, threads, block) -> best
+    ceiling: dict[tuple, float] = {}  # ((destination kind, ordered), threads, block) -> best
     cdst: dict = {}  # the ceiling's destination now: kind, buffer, descriptors per block size
     pool = ThreadPoolExecutor(max(1, os.cpu_count() or 1))
 
-    def ceiling_destination(kind: str) -> None:
+    def ceiling_destination(kind: str, ordered: bool) -> None:
         """The ceiling copies into the same kind of memory as the backend's destination: a
         memfd mapping for shm (shared memory; THP is off for it on this kernel), else private
-        anonymous memory allocated as the transports allocate it. Faulted in before timing."""
-        if cdst.get("kind") == kind:
+        anonymous memory allocated as the transports allocate it. Faulted in before timing.
+        ``ordered``: the rows in destination order, as cma copies them (layout.by_destination),
+        so that both sides copy the same rows in the same order."""
+        if cdst.get("kind") == (kind, ordered):
             return
         if cdst:
             cdst["buf"].close()
         buf = memfd(nbytes) if kind == "memfd" else anon(nbytes)
         buf.array[:] = 0
-        cdst.update(kind=kind, buf=buf,
-                    descs={b: permuted(src.region.addr, buf.region.addr, nbytes, b, rng) for b in BLOCKS})
+        descs = {b: permuted(src.region.addr, buf.region.addr, nbytes, b, rng) for b in BLOCKS}
+        if ordered:
+            descs = {b: layout.by_destination(d) for b, d in descs.items()}
+        cdst.update(kind=(kind, ordered), buf=buf, descs=descs)
         for b in BLOCKS:  # warm up
             memcpy(b)
 
@@ -204,7 +210,7 @@ def main() -> None:
         threads = getattr(create(backend), "threads", 1) if backend in ("cma", "shm") else 0
         label = f"{backend} ({threads} copy thread{'s' * (threads > 1)})" if threads else backend
         if ok:
-            ceiling_destination("memfd" if backend == "shm" else "anon")
+            ceiling_destination("memfd" if backend == "shm" else "anon", ordered=backend == "cma")
         results[label] = (bench_backend(backend, src, nbytes, args.repeat, rng, memcpy,
                                         threads=max(1, threads)) if ok else why)
         if ok and threads > 1:  # also show what one thread does, against a one-thread ceiling
@@ -217,7 +223,8 @@ def main() -> None:
 
     head = "| path | " + " | ".join(f"{b // KiB} KiB" if b < MiB else "1 MiB" for b in BLOCKS) + " |"
     rows = [head, "|---" * (len(BLOCKS) + 1) + "|"]
-    names = {"anon": "into private memory", "memfd": "into a memfd (shm's kind)"}
+    names = {("anon", False): "into private memory", ("memfd", False): "into a memfd (shm's kind)",
+             ("anon", True): "into private memory, rows in destination order (cma's)"}
     for kind, n in sorted({(k, n) for k, n, _ in ceiling}):
         rows.append(f"| memcpy ceiling {names[kind]}, {n} thread{'s' * (n > 1)} (best in run), GB/s | "
                     + " | ".join(f"{ceiling.get((kind, n, b), 0) / 1e9:.2f}" for b in BLOCKS) + " |")
