@@ -346,6 +346,7 @@ class NixlTransport:
                     t._resolve(None)
                 except Exception as e:
                     t._resolve(TransferFailed(f"nixl could not send the notification: {e}"))
+                    self._ctl_send(peer, _wire.NACK, t.id)  # nothing will arrive: forget the BEGIN
                     return t
                 self._ctl_send(peer, _wire.DONE, t.id)
             return t
