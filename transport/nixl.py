@@ -359,7 +359,8 @@ class NixlTransport:
                                           agent.get_xfer_descs(remote, rtype), peer, t.message)
                 state = agent.transfer(h)
             except Exception as e:
-                t._resolve(TransferFailed(f"nixl could not post the transfer: {e}"))
+                gone = "REMOTE_DISCONNECT" in str(e) or (out is not None and out.dead is not None)
+                t._resolve((PeerLost if gone else TransferFailed)(f"nixl could not post the transfer: {e}"))
                 self._ctl_send(peer, _wire.NACK, t.id)  # nothing will arrive: forget the BEGIN
                 return t
             self._handles[t.id] = h
