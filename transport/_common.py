@@ -4,6 +4,7 @@ error translation, small socket and memory helpers."""
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import mmap
 import os
@@ -95,6 +96,39 @@ def _shutdown(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+_HUGE = 2 << 20
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def hugepages_wanted() -> bool:
+    return os.environ.get("PDR_KV_HUGEPAGES", "1") != "0"
+
+
+def advise_hugepages(addr: int, nbytes: int) -> bool:
+    """Ask for transparent huge pages on the whole 2 MiB pages inside [addr, addr+nbytes)
+    (``MADV_HUGEPAGE``; this kernel's THP mode is ``madvise``). Fewer pages for the kernel to
+    look up and pin per byte of ``process_vm_writev``, fewer TLB misses for any copy. Affects
+    pages faulted after the call (khugepaged may collapse older ones). Best effort: False where
+    refused or disabled with ``PDR_KV_HUGEPAGES=0``."""
+    if not hugepages_wanted() or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    start, end = -(-addr // _HUGE) * _HUGE, (addr + nbytes) // _HUGE * _HUGE
+    return end > start and _libc.madvise(start, end - start, mmap.MADV_HUGEPAGE) == 0
+
+
+def anon_mmap(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory, huge-page advised before any page is touched. (Python's
+    ``mmap.mmap(-1, n)`` alone is MAP_SHARED: shmem, which gets no huge pages here.)"""
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hugepages_wanted() and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return mm
 
 
 def _addr(mm: mmap.mmap) -> int:

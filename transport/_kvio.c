@@ -214,6 +214,30 @@ static void cursor_advance(cursor_t *c, uint64_t n) {
 
 /* ----------------------------------------------- process_vm_writev / readv */
 
+/* process_vm_writev/readv take separate iovec lists for the two sides, cut independently: fill
+ * both from the cursor, merging runs that are contiguous on one side even where they are not on
+ * the other (rows sorted by destination make the remote list a few long runs, so the kernel pins
+ * the peer's pages up to 1,024 at a time instead of one descriptor at a time). Stops at the first
+ * row that would need a new iovec on a side that already has BATCH. */
+static void fill_pair(const cursor_t *c, int lcol, int rcol, struct iovec *loc, int *kl,
+                      struct iovec *rem, int *kr) {
+    int a = 0, b = 0;
+    uint64_t off = c->off;
+    for (Py_ssize_t r = c->row; r < c->n; r++, off = 0) {
+        const uint64_t *row = c->p + 3 * r;
+        if (row[2] == off) continue;
+        uint64_t l = row[lcol] + off, m = row[rcol] + off, len = row[2] - off;
+        int lm = a && (uint64_t)(uintptr_t)loc[a - 1].iov_base + loc[a - 1].iov_len == l;
+        int rm = b && (uint64_t)(uintptr_t)rem[b - 1].iov_base + rem[b - 1].iov_len == m;
+        if ((!lm && a == BATCH) || (!rm && b == BATCH)) break;
+        if (lm) loc[a - 1].iov_len += (size_t)len;
+        else { loc[a].iov_base = (void *)(uintptr_t)l; loc[a].iov_len = (size_t)len; a++; }
+        if (rm) rem[b - 1].iov_len += (size_t)len;
+        else { rem[b].iov_base = (void *)(uintptr_t)m; rem[b].iov_len = (size_t)len; b++; }
+    }
+    *kl = a; *kr = b;
+}
+
 static PyObject *vm_copy(PyObject *args, int write) {
     int pid;
     PyObject *o;
@@ -229,12 +253,12 @@ static PyObject *vm_copy(PyObject *args, int write) {
     /* write: local = src (col 0), remote = dst (col 1); read: local = dst, remote = src. */
     int lcol = write ? 0 : 1, rcol = write ? 1 : 0;
     for (;;) {
-        int k = cursor_fill(&c, lcol, loc);
-        if (k == 0) break;
-        cursor_fill(&c, rcol, rem);
+        int kl, kr;
+        fill_pair(&c, lcol, rcol, loc, &kl, rem, &kr);
+        if (kl == 0) break;
         ssize_t n;
         Py_BEGIN_ALLOW_THREADS
-        n = write ? process_vm_writev(pid, loc, k, rem, k, 0) : process_vm_readv(pid, loc, k, rem, k, 0);
+        n = write ? process_vm_writev(pid, loc, kl, rem, kr, 0) : process_vm_readv(pid, loc, kl, rem, kr, 0);
         Py_END_ALLOW_THREADS
         if (n < 0) {
             if (errno == EINTR) { if (PyErr_CheckSignals() < 0) { err = -1; break; } continue; }

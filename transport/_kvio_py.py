@@ -144,6 +144,19 @@ def _advance(m: memoryview, row: int, off: int, n: int) -> tuple[int, int]:
     return row, off
 
 
+def _merged(batch, col: int) -> list[tuple[int, int]]:
+    """One side's (base, len) iovecs for a batch, runs contiguous on that side merged (as the C
+    does; the two sides are cut independently)."""
+    out: list[list[int]] = []
+    for row in batch:
+        a, n = row[col], row[2]
+        if out and out[-1][0] + out[-1][1] == a:
+            out[-1][1] += n
+        else:
+            out.append([a, n])
+    return [tuple(x) for x in out]
+
+
 def _vm_copy(pid: int, descs, write: bool) -> int:
     m = _descs(descs)
     call = _libc.process_vm_writev if write else _libc.process_vm_readv
@@ -152,13 +165,9 @@ def _vm_copy(pid: int, descs, write: bool) -> int:
         batch = list(_rows(m, row, off))
         if not batch:
             return total
-        loc = (_iovec * len(batch))()
-        rem = (_iovec * len(batch))()
-        for k, (s, d, n) in enumerate(batch):
-            la, ra = (s, d) if write else (d, s)
-            loc[k].iov_base, loc[k].iov_len = la, n
-            rem[k].iov_base, rem[k].iov_len = ra, n
-        got = call(pid, loc, len(batch), rem, len(batch), 0)
+        lo, re = _merged(batch, 0 if write else 1), _merged(batch, 1 if write else 0)
+        loc, rem = (_iovec * len(lo))(*lo), (_iovec * len(re))(*re)
+        got = call(pid, loc, len(lo), rem, len(re), 0)
         if got < 0:
             e = ctypes.get_errno()
             if e == errno.EINTR:

@@ -11,7 +11,6 @@ extend the handshake (``_welcome``/``_on_welcome``) or take DATA frames (``_on_d
 from __future__ import annotations
 
 import itertools
-import mmap
 import os
 import socket
 import threading
@@ -23,8 +22,8 @@ from types import ModuleType
 import numpy as np
 
 from transport import _core, _wire
-from transport._common import (_POLL_S, _addr, _Inbound, _Inbox, _Peer, _shutdown, host_id,
-                               translate)
+from transport._common import (_POLL_S, _addr, _Inbound, _Inbox, _Peer, _shutdown,
+                               advise_hugepages, anon_mmap, host_id, translate)
 from transport.base import (Buffer, MemKind, Notification, PeerLost, Region, RegionError, Status,
                             Transfer, TransferFailed, TransferTimeout, TransportError)
 from transport.layout import RegionTable, as_descs, split
@@ -98,7 +97,7 @@ class StreamTransport:
 
     # --------------------------------------------------------------------- memory
     def allocate(self, nbytes: int) -> Buffer:
-        mm = mmap.mmap(-1, nbytes)
+        mm = anon_mmap(nbytes)
         buf = Buffer(mm, Region(_addr(mm), nbytes))
         self._buffers.append(buf)
         return buf
@@ -107,6 +106,7 @@ class StreamTransport:
         if region.kind is not MemKind.DRAM:
             raise RegionError(f"the {self.name} backend moves host memory only, not {region.kind.value}")
         self._local.add(region)
+        advise_hugepages(region.addr, region.nbytes)
 
     def deregister(self, region: Region) -> None:
         self._local.remove(region)

@@ -1,4 +1,5 @@
-"""Framing of the control stream shared by the cma, shm and tcp backends.
+"""Framing of the control stream shared by the cma, shm and tcp backends (and of nixl's liveness
+stream: HELLO/WELCOME {agent}, then BEGIN, DONE, or NACK when a write could not be posted).
 
 Every frame is a 16-byte header ``<B 3x I Q`` (kind, body length, transfer id) and a body.
 

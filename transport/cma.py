@@ -19,6 +19,7 @@ from transport import _core
 from transport._common import _Peer
 from transport._stream import StreamTransport
 from transport.base import Transfer
+from transport.layout import by_destination
 
 _PR_SET_PTRACER, _PR_SET_PTRACER_ANY = 0x59616D61, ctypes.c_ulong(-1)
 
@@ -66,4 +67,5 @@ class CmaTransport(StreamTransport):
 
     def _send(self, peer: _Peer, t: Transfer, descs: np.ndarray, timeout: float) -> None:
         pid = peer.extra["pid"]
+        descs = by_destination(descs)  # long runs of the peer's pages per system call
         self._send_one_sided(peer, t, lambda: self._parallel(lambda d: self.core.vm_write(pid, d), descs))

@@ -146,6 +146,23 @@ def as_descs(descs) -> np.ndarray:
     return a
 
 
+def by_destination(descs: np.ndarray) -> np.ndarray:
+    """The rows in destination-address order when no two destinations overlap (then the order
+    of the copies cannot change the result), else the rows unchanged. Sorted rows let the C core
+    hand ``process_vm_writev`` long runs of the peer's memory (see ``_kvio.c``: the two sides'
+    iovecs are merged independently)."""
+    d = as_descs(descs)
+    if len(d) < 2:
+        return d
+    dst = d[:, 1]
+    if not (dst[1:] >= dst[:-1]).all():
+        d = d[np.argsort(dst, kind="stable")]
+        dst = d[:, 1]
+    if (dst[1:] < dst[:-1] + d[:-1, 2]).any():  # overlapping destinations: keep the caller's order
+        return as_descs(descs)
+    return d
+
+
 def split(descs: np.ndarray, parts: int) -> list[np.ndarray]:
     """Cut a descriptor list into ``parts`` pieces of about equal bytes (rows split if needed),
     for moving them on several threads. Empty pieces are dropped."""

@@ -9,6 +9,9 @@ FILL, prints {"endpoint", "addr", "pid"}; then serves commands:
     {"op": "send", "endpoint", "descs", "message", "die_after": bool}
         connect to a peer and write descs (list of rows); with die_after, the data path moves
         the first half of the descriptors and the process exits (a sender dying mid-transfer).
+    {"op": "post", "endpoint", "descs", "message"}
+        connect and write without waiting; polls the transfer once, replies {"status"} and
+        leaves it in flight (nixl: nothing progresses it until the next command).
     {"op": "exit"}
 """
 
@@ -110,6 +113,11 @@ def main() -> None:
                 reply({"status": "DONE"})
             except Exception as e:
                 reply({"status": "FAILED", "error": repr(e)})
+        elif op == "post":
+            peer = t.connect(base64.b64decode(cmd["endpoint"]))
+            descs = np.array(cmd["descs"], dtype=np.uint64).reshape(-1, 3)
+            x = t.write(peer, descs, cmd["message"].encode(), timeout=cmd.get("timeout", 60))
+            reply({"status": x.status().value})
         elif op == "exit":
             break
     t.close()

@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 import pytest
-from transport_testlib import FILL, get_core, pairs
+from transport_testlib import FILL, NIXL_OK, NIXL_WHY, get_core, pairs
 
 from transport import _wire
-from transport.base import Status, TransferTimeout, TransportError
+from transport.base import PeerLost, Status, TransferTimeout, TransportError
 
 MiB = 1 << 20
 
@@ -60,6 +60,48 @@ def test_sender_dies_mid_transfer_receiver_gets_an_error(backend, core_name, spa
     assert n.ok is False and "incomplete" in n.error
     assert tx.proc.wait(timeout=20) == 3  # it died inside the data path, as arranged
     assert rx.notifications() == []  # and nothing claims the transfer completed
+
+
+@pytest.mark.skipif(not NIXL_OK, reason=f"nixl not importable: {NIXL_WHY}")
+def test_nixl_sender_killed_mid_transfer_receiver_gets_an_error(spawn, transports):
+    """nixl's version of the test above: the sender posts a write and is SIGKILLed while it is
+    still pending (no progress thread: nothing completes it). The receiver hears of it through
+    the control stream's end, as an error notification, long before its wait would time out."""
+    rx = transports("nixl")
+    dst = rx.allocate(64 * MiB)
+    dst.array[:] = FILL
+    rx.register(dst.region)
+    tx = spawn("nixl", "default", 64 * MiB)
+    tx.call(op="fill", seed=5)
+    descs = [[tx.addr + i * MiB, dst.region.addr + (63 - i) * MiB, MiB] for i in range(64)]
+    got = tx.call(op="post", endpoint=base64.b64encode(rx.endpoint()).decode(), descs=descs,
+                  message="req-k")
+    assert got == {"status": "PENDING"}
+    tx.kill(signal.SIGKILL)
+    assert tx.proc.wait(timeout=20) == -signal.SIGKILL
+    n = rx.wait_notification(b"req-k", timeout=120)  # without liveness: TransferTimeout
+    assert n.ok is False and "incomplete" in n.error and "control stream" in n.error
+    assert rx.notifications() == []  # and nothing claims the transfer completed
+
+
+@pytest.mark.skipif(not NIXL_OK, reason=f"nixl not importable: {NIXL_WHY}")
+def test_nixl_control_stream_loss_fails_pending_writes(spawn, transports):
+    """Sender side of the same channel: a receiver that vanishes fails the sender's pending and
+    later writes with PeerLost (not TransferTimeout)."""
+    rx = spawn("nixl", "default", 64 * MiB)
+    tx = transports("nixl")
+    src = tx.allocate(64 * MiB)
+    tx.register(src.region)
+    peer = tx.connect(rx.endpoint)
+    rx.kill(signal.SIGKILL)
+    rx.proc.wait()
+    t = tx.write(peer, np.array([[src.region.addr, rx.addr, 64 * MiB]], dtype=np.uint64), b"gone",
+                 timeout=120)
+    with pytest.raises(PeerLost):
+        t.wait()
+    t2 = tx.write(peer, np.array([[src.region.addr, rx.addr, 16]], dtype=np.uint64), b"x", timeout=120)
+    with pytest.raises(PeerLost):
+        t2.wait()
 
 
 @pytest.mark.parametrize("backend,core_name", pairs(nixl=False))

@@ -15,7 +15,7 @@ import pytest
 from transport_testlib import REPO, load_core
 
 import transport
-from transport import select
+from transport import layout, select
 from transport.base import TransportUnavailable
 from transport.tcp import TcpTransport
 
@@ -135,3 +135,42 @@ def test_both_cores_have_the_same_functions():
     from transport._core import NAMES
 
     assert all(callable(getattr(c, n)) and callable(getattr(py, n)) for n in NAMES)
+
+
+@pytest.mark.parametrize("order", ["as built", "by destination"])
+def test_vm_write_merges_each_side_on_its_own(core, order):
+    """Rows contiguous on one side only, more rows than one system call takes (1,024), rows of
+    odd sizes: every byte lands where its row says, on the C core and on the twin."""
+    rng = np.random.default_rng(7)
+    n, blk = 3000, 48
+    a = rng.integers(0, 256, n * blk, dtype=np.uint8)
+    b = np.zeros_like(a)
+    perm = rng.permutation(n)
+    rows = np.array([[a.ctypes.data + i * blk, b.ctypes.data + int(p) * blk, blk] for i, p in enumerate(perm)],
+                    np.uint64)
+    rows = np.concatenate([rows[:1000], layout.split(rows[1000:], 7)[3], rows[1000:]])  # a few repeats
+    if order == "by destination":
+        rows = layout.by_destination(rows)
+    assert core.vm_write(os.getpid(), rows) == int(rows[:, 2].sum())
+    assert np.array_equal(b.reshape(n, blk)[perm], a.reshape(n, blk))
+
+
+def test_hugepage_advice_is_best_effort(monkeypatch):
+    from transport._common import advise_hugepages, anon_mmap
+
+    mm = anon_mmap(6 << 20)
+    a = np.frombuffer(mm, dtype=np.uint8)
+    addr = int(a.ctypes.data)
+    assert advise_hugepages(addr + 1, 100) is False  # no whole 2 MiB page inside: nothing asked
+    advise_hugepages(addr, 6 << 20)  # True where THP exists; never raises
+    monkeypatch.setenv("PDR_KV_HUGEPAGES", "0")
+    assert advise_hugepages(addr, 6 << 20) is False
+    a[:] = 1
+    # Private anonymous memory (counted as Anonymous in smaps): MAP_SHARED would be shmem, which
+    # this kernel never backs with huge pages, whatever the advice.
+    with open("/proc/self/smaps") as f:
+        vmas = re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", f.read())
+    vma = next(v for v in vmas if int(v.split("-")[0], 16) <= addr < int(v.split("-")[1].split()[0], 16))
+    assert int(vma.split("Anonymous:")[1].split()[0]) >= 6 << 10
+    del a
+    mm.close()
