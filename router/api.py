@@ -22,7 +22,7 @@ from router.dispatch import DirectDispatch, Job
 from router.fastpath import RelayResponse
 from router.errors import BadRequest, ModelNotFound, NoInstance, Overloaded, PayloadTooLarge, RouterError, Unauthorized
 from router.planning import DISAGGREGATED, plan
-from router.relay import Tally, ask_usage, stream_body, whole_body
+from router.relay import Tally, ask_usage, whole_body
 from router.state import AppState
 from router.validation import check_body, check_context, check_request_id, is_batch
 
@@ -174,7 +174,7 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
 
     headers.update(SSE_HEADERS)
     itl = m.itl.labels(route, s.mode if route == DISAGGREGATED else "none")
-    return RelayResponse(stream_body(outcome, job, tally, itl, finish), headers)
+    return RelayResponse((outcome, job, tally, itl, finish), headers)
 
 
 def _outcome_of(err: RouterError) -> str:
