@@ -165,13 +165,11 @@ def serve(settings: Settings) -> int:
     block_torch()
     from router.app import create_app
     from router.logs import setup_logging
+    from router.server import uvicorn_config
 
     setup_logging(settings.log_level, settings.log_format)
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            loop="auto", http="auto", backlog=4096, timeout_keep_alive=75,
-                            timeout_graceful_shutdown=int(settings.shutdown_grace))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     server.run()
     return 0
 

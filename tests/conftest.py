@@ -25,11 +25,12 @@ async def run_router(settings, **overrides):
     import uvicorn
 
     from router.app import create_app
+    from router.server import uvicorn_config
 
     settings = settings.replace(port=free_port(), host="127.0.0.1")
     app = create_app(settings, **overrides)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=2)
+    # the same server the CLI runs (router/server.py: hot endpoints below ASGI)
+    config = uvicorn_config(app, settings, lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(500):
