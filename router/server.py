@@ -51,13 +51,17 @@ class RouterHttpProtocol(HttpToolsProtocol):
     _hot_task: asyncio.Task | None = None
     _hot_gone = False
 
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.router_app = _router_app(self.app)
+
     def _start_asgi_task(self, cycle, app) -> None:
         scope = cycle.scope
         kind = HOT_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
-        if kind is None or app is not self.app or not hasattr(app, "_handle"):
+        if kind is None or app is not self.app or self.router_app is None:
             super()._start_asgi_task(cycle, app)  # everything else (and 503s for limit_concurrency)
             return
-        task = self.loop.create_task(self._serve_hot(cycle, app, kind))
+        task = self.loop.create_task(self._serve_hot(cycle, self.router_app, kind))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
 
@@ -156,6 +160,15 @@ class RouterHttpProtocol(HttpToolsProtocol):
             await outcome.close()
         finally:
             finish(tally)
+
+
+def _router_app(app):
+    """The `RouterASGI` inside uvicorn's wrappers (ProxyHeadersMiddleware, ...), or None."""
+    for _ in range(8):
+        if app is None or hasattr(app, "_handle"):
+            return app
+        app = getattr(app, "app", None)
+    return None
 
 
 def uvicorn_config(app, settings, **kw):

@@ -11,6 +11,7 @@ import orjson
 import pytest
 
 from router.dispatch.base import Job, Outcome
+from router.fastpath import RouterASGI
 from router.metrics import Metrics
 from router.relay import Tally, pump
 from tests.unit.routerkit import LONG, SHORT, completion_legs, sse_events, topology
@@ -59,7 +60,11 @@ def _openai_error(body: bytes) -> dict:
     return doc["error"]
 
 
-async def test_keep_alive_stream_then_whole_then_get(tiny_model_path):
+async def test_keep_alive_stream_then_whole_then_get(tiny_model_path, monkeypatch):
+    async def not_asgi(*a, **kw):
+        raise AssertionError("a hot POST went through the ASGI app")
+
+    monkeypatch.setattr(RouterASGI, "_hot", not_asgi)  # the server must answer these itself
     async with topology(tiny_model_path) as (c, url, ps, ds, app):
         reader, writer = await _open(url)
         writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 3, "stream": True}))
