@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from router.settings import KV_CONNECTORS, MODES, POLICIES, PREFILL_FAILURE_POLICIES, InstanceSpec, Settings
+from router.settings import COUNT_TOKENS, KV_CONNECTORS, MODES, POLICIES, PREFILL_FAILURE_POLICIES, InstanceSpec, Settings
 
 ENV_PREFIX = "PD_ROUTER_"
 
@@ -62,6 +62,8 @@ SERVE_FLAGS = [
     ("--slo-itl", "slo_itl", float, "goodput mean inter-token latency target, seconds", {}),
     ("--max-connections", "max_connections", int, "upstream connection pool size", {}),
     ("--tokenizer-threads", "tokenizer_threads", int, "threads counting prompt tokens", {}),
+    ("--count-tokens", "count_tokens", str, "always tokenize prompts, or only when byte-length bounds do not "
+     "settle the route and context check", {"choices": COUNT_TOKENS}),
 ]
 
 

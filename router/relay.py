@@ -31,7 +31,7 @@ class Tally:
     of the stream), instead of one locked `Histogram.observe` per event.
     """
 
-    __slots__ = ("ttft", "gaps", "max_gap", "output_tokens", "outcome", "error", "chunks", "_last", "_itl",
+    __slots__ = ("ttft", "gaps", "max_gap", "output_tokens", "prompt_tokens", "outcome", "error", "chunks", "_last", "_itl",
                  "_counts", "_sum", "_pending")
 
     def __init__(self) -> None:
@@ -39,6 +39,7 @@ class Tally:
         self.gaps = 0.0
         self.max_gap = 0.0
         self.output_tokens: int | None = None
+        self.prompt_tokens: int | None = None  # the engine's usage.prompt_tokens, when it reported one
         self.outcome = "ok"
         self.error: RouterError | None = None
         self.chunks = 0
@@ -157,6 +158,8 @@ async def whole_body(outcome: Outcome, job: Job, tally: Tally) -> bytes:
     usage = doc.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         tally.output_tokens = usage["completion_tokens"]
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        tally.prompt_tokens = usage["prompt_tokens"]
     known, details = await prefill_details(outcome)
     if known and fix_usage_doc(doc, details):
         body = orjson.dumps(doc)
@@ -290,6 +293,8 @@ async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool,
             if isinstance(usage, dict):
                 if isinstance(usage.get("completion_tokens"), int):
                     tally.output_tokens = usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    tally.prompt_tokens = usage["prompt_tokens"]
                 if not doc.get("choices"):
                     if strip:
                         continue
