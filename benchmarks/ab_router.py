@@ -1,7 +1,7 @@
 """A/B of two router builds on the bench_router load, interleaved (for shared, noisy hosts).
 
 Both routers run at once (same fakes, same flags, both pinned to the router core); at every
-load point the runs go direct, A, B, B, A, direct (ABBA against drift), so each build's
+load point the runs go direct, A, B, B, A, direct (ABBA against drift; ABCCBA with a third build), so each build's
 numbers come from the same minutes. Router CPU is read from /proc/<pid>/schedstat
 (scheduler runtime, ns; not tick-sampled).
 
@@ -38,7 +38,7 @@ def runtime_s(pid: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.ab_router", description=__doc__.split("\n")[0])
     p.add_argument("--a", required=True, help="router command A (accepts 'serve ...')")
-    p.add_argument("--b", required=True, help="router command B")
+    p.add_argument("--b", required=True, action="append", help="router command B (repeat: C, D, ...)")
     p.add_argument("--mode", default="direct", choices=sorted(THRESHOLD))
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--duration", type=float, default=4.0)
@@ -59,10 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     prefill = p_url + (f"?engine_id={P_ENGINE_ID}&kv_host=127.0.0.1&kv_port={P_KV_PORT}&tp=1&pp=1"
                        if a.mode == "push" else "")
     routers, urls = {}, {}
-    results: dict = {"config": vars(a) | {"out": str(a.out), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    results: dict = {"config": vars(a) | {"out": str(a.out), "b": a.b, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
                      "points": []}
     try:
-        for name, cmd in (("A", a.a), ("B", a.b)):
+        builds = dict(zip("ABCDEF", [a.a, *a.b]))
+        for name, cmd in builds.items():
             port = harness.free_port()
             argv_ = harness.router_argv(shlex.split(cmd), mode=ROUTER_MODE[a.mode], threshold=THRESHOLD[a.mode],
                                         prefill=prefill, decode=d_url, tokenizer=tok, port=port)
@@ -71,10 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             harness.prime(urls[name], model="tiny", prompt_chars=1000)
         harness.prime(d_url, model="tiny", prompt_chars=1000)
         for c in [int(x) for x in a.concurrency.split(",") if x]:
-            runs: dict = {"direct": [], "A": [], "B": []}
+            runs: dict = {"direct": [], **{k: [] for k in builds}}
             common = dict(concurrency=c, rate=None, duration=a.duration, warmup=a.warmup, prompt_chars=1000,
                           max_tokens=64, model="tiny", core=a.engine_core)
-            order = ["direct"] + ["A", "B", "B", "A"] * a.repeat + ["direct"]
+            names = list(builds)
+            order = ["direct"] + (names + names[::-1]) * a.repeat + ["direct"]
             for who in order:
                 url = d_url if who == "direct" else urls[who]
                 r0 = runtime_s(routers[who].pid) if who != "direct" else 0.0
@@ -107,7 +109,7 @@ def _cpu(runs: list[dict]) -> float:
 def _line(c: int, runs: dict) -> str:
     d = _agg(runs["direct"], "ttft_p50_ms")
     return " | ".join([f"c={c}"] + [f"{k}: TTFT p50 {_agg(runs[k], 'ttft_p50_ms') - d:+.1f} ms, "
-                                     f"CPU {_cpu(runs[k]):.2f} ms/req" for k in ("A", "B")])
+                                     f"CPU {_cpu(runs[k]):.2f} ms/req" for k in runs if k != "direct"])
 
 
 def table(results: dict) -> str:
@@ -118,7 +120,7 @@ def table(results: dict) -> str:
         runs = pt["runs"]
         d50, d99 = _agg(runs["direct"], "ttft_p50_ms"), _agg(runs["direct"], "ttft_p99_ms")
         ditl, dtok = _agg(runs["direct"], "itl_p99_ms"), _agg(runs["direct"], "tok_per_s")
-        for k in ("A", "B"):
+        for k in [k for k in runs if k != "direct"]:
             rs = runs[k]
             out.append(f"| {pt['concurrency']} | {k} | {_agg(rs, 'ttft_p50_ms') - d50:+.1f} | "
                        f"{_agg(rs, 'ttft_p99_ms') - d99:+.1f} | {_agg(rs, 'itl_p99_ms') - ditl:+.1f} | "

@@ -6,6 +6,10 @@ middleware wrappers around every streamed chunk, no task group per stream. Every
 
 Streams: the relay runs in the request's own task; one small watcher task waits for the
 client's disconnect and cancels it, which closes both upstream legs (vLLM then aborts them).
+
+`pd-router serve` (and the tests) go one step further: router/server.py answers these two
+endpoints inside uvicorn's HTTP protocol, below ASGI, writing each streamed chunk straight
+to the socket (`relay.pump`). This ASGI path stays for hosting the app in any ASGI server.
 """
 
 from __future__ import annotations
