@@ -274,3 +274,22 @@ async def test_pump_cancelled_closes_stream_and_finishes():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert stream.closed and done[0].outcome == "cancelled"
+
+
+async def test_a_bug_is_an_openai_shaped_500_and_the_connection_survives(tiny_model_path, monkeypatch):
+    import router.api
+
+    def broken(*a, **kw):
+        raise RuntimeError("boom")
+
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        monkeypatch.setattr(router.api, "plan", broken)
+        reader, writer = await _open(url)
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 2, "stream": True}))
+        status, headers, body = await _response(reader)
+        assert status == 500 and _openai_error(body)["type"] == "internal_error"
+        monkeypatch.undo()
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 2}))
+        status, _, body = await _response(reader)  # same keep-alive connection
+        assert status == 200
+        writer.close()
