@@ -22,7 +22,7 @@ from router.dispatch import DirectDispatch, Job
 from router.fastpath import RelayResponse
 from router.errors import BadRequest, ModelNotFound, NoInstance, Overloaded, PayloadTooLarge, RouterError, Unauthorized
 from router.planning import DISAGGREGATED, plan
-from router.relay import Tally, ask_usage, stream_body, whole_body
+from router.relay import Tally, ask_usage, whole_body
 from router.state import AppState
 from router.validation import check_body, check_context, check_request_id, is_batch
 
@@ -131,11 +131,17 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
             body, strip_usage = ask_usage(body)
         job = Job(kind=kind, path=path, body=body, stream=stream, request_id=rid, prompt_tokens=0,
                   model=model, t0=t0, auth=request.headers.get("authorization"), strip_usage=strip_usage)
-        tt = time.perf_counter()
-        job.prompt_tokens = await st.tokens.count(kind, body)
-        m.tokenize.observe(time.perf_counter() - tt)
-        check_context(job.prompt_tokens, body, st.max_model_len(model))
-        route, reason = plan(job.prompt_tokens, s.threshold, batch=is_batch(kind, body), n=body.get("n") or 1)
+        batch, n = is_batch(kind, body), body.get("n") or 1
+        settled = _settled(st, kind, body, model, batch, n) if s.count_tokens == "when-needed" else None
+        if settled is None:
+            tt = time.perf_counter()
+            job.prompt_tokens = await st.tokens.count(kind, body)
+            m.tokenize.observe(time.perf_counter() - tt)
+            check_context(job.prompt_tokens, body, st.max_model_len(model))
+            route, reason = plan(job.prompt_tokens, s.threshold, batch=batch, n=n)
+        else:
+            job.counted = False  # prompt_tokens from the engine's usage at the end, when it reports it
+            route, reason = plan(settled, s.threshold, batch=batch, n=n)
         job.route = route
         m.routing.labels(route, reason).inc()
         dispatcher = st.dispatcher if route == DISAGGREGATED else st.direct
@@ -174,7 +180,30 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
 
     headers.update(SSE_HEADERS)
     itl = m.itl.labels(route, s.mode if route == DISAGGREGATED else "none")
-    return RelayResponse(stream_body(outcome, job, tally, itl, finish), headers)
+    return RelayResponse((outcome, job, tally, itl, finish), headers)
+
+
+def _settled(st: AppState, kind: str, body: dict, model, batch: bool, n: int) -> int | None:
+    """--count-tokens when-needed: a token count that plans the same route as the exact one
+    and certainly passes the context check, from byte-length bounds alone; None when the
+    bounds do not settle both (then the prompt is tokenized as always)."""
+    b = st.tokens.bounds(kind, body)
+    if b is None:
+        return None
+    lower, upper = b
+    mml = st.max_model_len(model)
+    if mml:
+        want = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        if not isinstance(want, int) or upper + want > mml:
+            return None
+    if batch or n > 1:
+        return upper  # direct whatever the count
+    threshold = st.settings.threshold
+    if upper < threshold:
+        return upper
+    if lower >= threshold:
+        return lower
+    return None
 
 
 def _outcome_of(err: RouterError) -> str:
@@ -216,13 +245,16 @@ def _finish(st: AppState, job, route: str, tally: Tally, outcome: str, err, admi
         return
     e2e = now - job.t0
     m.e2e.labels(route, mode, outcome).observe(e2e)
+    if not job.counted:
+        job.prompt_tokens = tally.prompt_tokens  # the engine's count (None if it sent no usage)
     if outcome == "ok":
         if tally.ttft is not None:
             m.ttft.labels(route, mode).observe(tally.ttft)
             if out is not None and out.t_handoff is not None:
                 m.handoff.labels(mode).observe(job.t0 + tally.ttft - out.t_handoff)
-        m.prompt_tokens.labels(route).inc(job.prompt_tokens)
-        m.prompt_tokens_hist.labels(route).observe(job.prompt_tokens)
+        if job.prompt_tokens is not None:
+            m.prompt_tokens.labels(route).inc(job.prompt_tokens)
+            m.prompt_tokens_hist.labels(route).observe(job.prompt_tokens)
         if tally.output_tokens:
             m.output_tokens.labels(route).inc(tally.output_tokens)
         m.slo_requests.labels(route).inc()

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from router.settings import KV_CONNECTORS, MODES, POLICIES, PREFILL_FAILURE_POLICIES, InstanceSpec, Settings
+from router.settings import COUNT_TOKENS, KV_CONNECTORS, MODES, POLICIES, PREFILL_FAILURE_POLICIES, InstanceSpec, Settings
 
 ENV_PREFIX = "PD_ROUTER_"
 
@@ -62,6 +62,8 @@ SERVE_FLAGS = [
     ("--slo-itl", "slo_itl", float, "goodput mean inter-token latency target, seconds", {}),
     ("--max-connections", "max_connections", int, "upstream connection pool size", {}),
     ("--tokenizer-threads", "tokenizer_threads", int, "threads counting prompt tokens", {}),
+    ("--count-tokens", "count_tokens", str, "always tokenize prompts, or only when byte-length bounds do not "
+     "settle the route and context check", {"choices": COUNT_TOKENS}),
 ]
 
 
@@ -165,13 +167,11 @@ def serve(settings: Settings) -> int:
     block_torch()
     from router.app import create_app
     from router.logs import setup_logging
+    from router.server import uvicorn_config
 
     setup_logging(settings.log_level, settings.log_format)
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            loop="auto", http="auto", backlog=4096, timeout_keep_alive=75,
-                            timeout_graceful_shutdown=int(settings.shutdown_grace))
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, settings))
     server.run()
     return 0
 

@@ -6,6 +6,10 @@ middleware wrappers around every streamed chunk, no task group per stream. Every
 
 Streams: the relay runs in the request's own task; one small watcher task waits for the
 client's disconnect and cancels it, which closes both upstream legs (vLLM then aborts them).
+
+`pd-router serve` (and the tests) go one step further: router/server.py answers these two
+endpoints inside uvicorn's HTTP protocol, below ASGI, writing each streamed chunk straight
+to the socket (`relay.pump`). This ASGI path stays for hosting the app in any ASGI server.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import orjson
 from starlette.requests import Request
 
 from router.errors import error_body
+from router.relay import stream_body
 
 log = logging.getLogger("pd_router")
 HOT_PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
@@ -25,14 +30,23 @@ _INTERNAL = orjson.dumps(error_body("internal router error", "internal_error"))
 
 
 class RelayResponse:
-    """A streamed 200 whose body is relayed chunk by chunk."""
+    """A streamed 200 whose body is relayed chunk by chunk.
 
-    __slots__ = ("body", "raw_headers")
+    `args` are (outcome, job, tally, itl_hist, finish): served as ASGI through the
+    `relay.stream_body` generator, or by the router's own server (router/server.py) through
+    `relay.pump`, which writes each chunk straight to the client's transport.
+    """
 
-    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]):
-        self.body = body
+    __slots__ = ("args", "raw_headers")
+
+    def __init__(self, args: tuple, headers: dict[str, str]):
+        self.args = args
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8")] + [
             (k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+    @property
+    def body(self) -> AsyncIterator[bytes]:
+        return stream_body(*self.args)
 
     async def __call__(self, scope, receive, send) -> None:
         task = asyncio.current_task()

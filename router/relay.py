@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from typing import AsyncIterator
 
 import orjson
@@ -19,22 +20,34 @@ from router.errors import RouterError, UpstreamError, sse_error_event
 
 log = logging.getLogger("pd_router.relay")
 DONE = b"data: [DONE]"
+ITL_FLUSH = 64  # batched ITL observations are flushed into the histogram this often (and at the end)
 
 
 class Tally:
-    """Per-request numbers the relay collects for metrics and the access log."""
+    """Per-request numbers the relay collects for metrics and the access log.
 
-    __slots__ = ("ttft", "gaps", "max_gap", "output_tokens", "outcome", "error", "chunks", "_last")
+    ITL observations are batched: each read adds its events to per-bucket counts kept here,
+    and `flush_itl` moves them into the histogram (every `ITL_FLUSH` events and at the end
+    of the stream), instead of one locked `Histogram.observe` per event.
+    """
+
+    __slots__ = ("ttft", "gaps", "max_gap", "output_tokens", "prompt_tokens", "outcome", "error", "chunks", "_last", "_itl",
+                 "_counts", "_sum", "_pending")
 
     def __init__(self) -> None:
         self.ttft: float | None = None
         self.gaps = 0.0
         self.max_gap = 0.0
         self.output_tokens: int | None = None
+        self.prompt_tokens: int | None = None  # the engine's usage.prompt_tokens, when it reported one
         self.outcome = "ok"
         self.error: RouterError | None = None
         self.chunks = 0
         self._last = 0.0
+        self._itl = None  # the histogram (child) the batched observations belong to
+        self._counts: list[int] | None = None
+        self._sum = 0.0
+        self._pending = 0
 
     def tick(self, now: float, t0: float, itl_hist, events: int = 1) -> None:
         """`events` SSE events (tokens) reached the client in one read at `now`.
@@ -52,14 +65,44 @@ class Tally:
             share = 0.0
         else:
             share = (now - self._last) / events
-        for _ in range(events):
-            itl_hist.observe(share)
         if events:
+            self._observe(itl_hist, share, events)
             self.gaps += share * events
             if share > self.max_gap:
                 self.max_gap = share
             self.chunks += events
         self._last = now
+
+    def _observe(self, hist, value: float, n: int) -> None:
+        if self._itl is not hist:
+            self.flush_itl()
+            self._itl = hist
+            bounds = getattr(hist, "_upper_bounds", None)
+            self._counts = [0] * len(bounds) if bounds is not None and hasattr(hist, "_buckets") else None
+        counts = self._counts
+        if counts is None:  # not a prometheus_client histogram: observe one by one
+            for _ in range(n):
+                hist.observe(value)
+            return
+        counts[bisect_left(hist._upper_bounds, value)] += n  # observe(): first bucket with value <= bound
+        self._sum += value * n
+        self._pending += n
+        if self._pending >= ITL_FLUSH:
+            self.flush_itl()
+
+    def flush_itl(self) -> None:
+        """Move the batched ITL observations into the histogram."""
+        if not self._pending:
+            return
+        hist, counts = self._itl, self._counts
+        hist._sum.inc(self._sum)
+        buckets = hist._buckets
+        for i, c in enumerate(counts):
+            if c:
+                buckets[i].inc(c)
+                counts[i] = 0
+        self._sum = 0.0
+        self._pending = 0
 
     @property
     def mean_itl(self) -> float | None:
@@ -115,6 +158,8 @@ async def whole_body(outcome: Outcome, job: Job, tally: Tally) -> bytes:
     usage = doc.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
         tally.output_tokens = usage["completion_tokens"]
+    if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+        tally.prompt_tokens = usage["prompt_tokens"]
     known, details = await prefill_details(outcome)
     if known and fix_usage_doc(doc, details):
         body = orjson.dumps(doc)
@@ -163,6 +208,62 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
         raise
     finally:
         await outcome.close()
+        tally.flush_itl()
+        finish(tally)
+
+
+async def pump(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, write, flow) -> None:
+    """`stream_body` as one flat loop for the router's own HTTP server (router/server.py).
+
+    Each decode chunk is awaited straight from aiohttp's reader and handed to `write` (a plain
+    function: the server frames it and writes it to the client's transport), so a chunk costs
+    one task wake-up instead of three async-generator hops and an ASGI send. `flow` is the
+    connection's flow control: while the client's socket buffer is full (`write_paused`) the
+    loop waits in `flow.drain()` and stops reading, so aiohttp pauses the engine's socket.
+    Same semantics as `stream_body`: usage rewrite, Tally, the error event, `finish` once.
+    """
+    stream = outcome.stream
+    assert stream is not None
+    fix = outcome.prefill_reply is not None
+    strip = job.strip_usage
+    pending = b""
+    seen_done = False
+    t0 = job.t0
+    clock = time.perf_counter
+    read = stream.start()
+    try:
+        chunk = outcome.body
+        while True:
+            quiet = 0
+            if pending or b"usage" in chunk:
+                chunk, pending, quiet = await _rewrite_usage(pending + chunk, outcome, tally, fix, strip)
+            if chunk:
+                events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ") - quiet
+                if DONE in chunk[-16:]:
+                    seen_done = True
+                    events -= 1
+                tally.tick(clock(), t0, itl_hist, events)
+                write(chunk)
+                if flow.write_paused:
+                    await flow.drain()
+            chunk = await read()
+            if not chunk:
+                break
+        if pending:
+            write(pending)
+        if not seen_done:
+            raise UpstreamError("decode instance ended the stream early (no [DONE])", stage="decode",
+                                code="truncated_stream")
+    except RouterError as exc:
+        tally.outcome = "timeout" if exc.status == 504 else "upstream_error"
+        tally.error = exc
+        write(sse_error_event(exc))
+    except BaseException:
+        tally.outcome = "cancelled"
+        raise
+    finally:
+        await outcome.close()
+        tally.flush_itl()
         finish(tally)
 
 
@@ -192,6 +293,8 @@ async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool,
             if isinstance(usage, dict):
                 if isinstance(usage.get("completion_tokens"), int):
                     tally.output_tokens = usage["completion_tokens"]
+                if isinstance(usage.get("prompt_tokens"), int):
+                    tally.prompt_tokens = usage["prompt_tokens"]
                 if not doc.get("choices"):
                     if strip:
                         continue

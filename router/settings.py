@@ -10,6 +10,7 @@ from urllib.parse import parse_qsl, urlsplit, urlunsplit
 from router.moriio_ids import parse_zmq_address
 
 MODES = ("pull", "push")
+COUNT_TOKENS = ("always", "when-needed")
 KV_CONNECTORS = ("nixl", "moriio", "storage")
 POLICIES = ("round_robin", "least_loaded")
 PREFILL_FAILURE_POLICIES = ("error", "retry", "fallback")
@@ -122,6 +123,10 @@ class Settings:
     max_connections: int = 2048
     tokenizer_threads: int = 2
     tokenize_cache_size: int = 4096
+    # always: tokenize every prompt (exact router-side counts in metrics and the access log);
+    # when-needed: skip tokenizing when byte-length bounds already settle the route and the
+    # context check (prompt-token metrics then use the engine's usage count); docs/performance.md
+    count_tokens: str = "always"
 
     def __post_init__(self) -> None:
         _choice("mode", self.mode, MODES)
@@ -129,6 +134,7 @@ class Settings:
         _choice("policy", self.policy, POLICIES)
         _choice("on_prefill_failure", self.on_prefill_failure, PREFILL_FAILURE_POLICIES)
         _choice("log_format", self.log_format, ("text", "json"))
+        _choice("count_tokens", self.count_tokens, COUNT_TOKENS)
         if self.threshold < 0:
             raise ValueError("threshold must be >= 0")
         if not 0 <= self.ping_port <= 65535:

@@ -33,6 +33,7 @@ class TokenCounter:
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._cache_size = cache_size
         self._tok = None
+        self._bounds = None  # byte_bounds(tokenizer), once loaded (False: none known)
         self._load_error: str | None = None
         self._loading: asyncio.Future | None = None
         self.hits = 0
@@ -81,6 +82,26 @@ class TokenCounter:
             self._load_error = f"{type(exc).__name__}: {exc}"
             log.error("cannot load tokenizer %r: %s", self._source, self._load_error)
             raise
+
+    def bounds(self, kind: str, body: dict[str, Any]) -> tuple[int, int] | None:
+        """(lower, upper) bounds of `count(kind, body)` from the prompt's UTF-8 length alone,
+        without tokenizing; None when no safe bound is known (chat, token-id or batched
+        prompts, an unloaded tokenizer, or a normalizer/pre-tokenizer outside `byte_bounds`).
+        Cheap: no encoding, no thread hop."""
+        if kind != "completions" or self._tok is None:
+            return None
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            return None
+        b = self._bounds
+        if b is None:
+            b = self._bounds = byte_bounds(self._tok) or False
+        if b is False:
+            return None
+        n = len(prompt) if prompt.isascii() else len(prompt.encode("utf-8", "surrogatepass"))
+        expand, extra, max_bytes, specials = b
+        lower = specials + (-(-n // max_bytes) if max_bytes else 0)
+        return lower, specials + expand * n + extra
 
     async def count(self, kind: str, body: dict[str, Any]) -> int:
         """Number of prompt tokens of one request (the first prompt of a batch)."""
@@ -192,3 +213,78 @@ def _normalise_message(m: dict) -> dict:
         text = "\n".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         m = {**m, "content": text}
     return m
+
+
+# Normalizers and pre-tokenizers whose effect on the text's UTF-8 length is bounded. For each:
+# how many bytes one input byte can become (a multiplier), and whether bytes can disappear.
+_NORMALIZERS_GROW = {"NFC": 3}  # NFC may recompose (shrink) or decompose singletons (<= 3x)
+_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"}
+
+
+def byte_bounds(tok) -> tuple[int, int, int, int] | None:
+    """(expand, extra, max_token_bytes, specials) so that for a prompt of n UTF-8 bytes
+
+        specials + ceil(n / max_token_bytes) <= tokens <= specials + expand * n + extra
+
+    (max_token_bytes 0: no lower bound beyond specials). Every token of a BPE/Unigram/WordPiece
+    model stands for at least one byte of the normalized, pre-tokenized text (byte fallback or
+    byte-level: never less), and for at most max_token_bytes of it. Only tokenizers whose
+    normalizer and pre-tokenizer are in the small known set above are bounded; anything else
+    (NFKC, lowercasing, Whitespace splitting that drops spaces, ...) returns None and the
+    router tokenizes as always.
+    """
+    try:
+        spec = orjson.loads(tok.backend_tokenizer.to_str())
+        specials = len(tok.encode("", add_special_tokens=True))
+        vocab = tok.get_vocab()
+    except Exception:  # noqa: BLE001 - no bounds is always safe
+        return None
+    expand, extra, shrinks = 1, 0, False
+
+    def walk(node, kind: str) -> bool:
+        nonlocal expand, extra, shrinks
+        if node is None:
+            return True
+        t = node.get("type")
+        if t == "Sequence":
+            return all(walk(n, kind) for n in node.get("normalizers" if kind == "norm" else "pretokenizers") or [])
+        if kind == "norm":
+            if t in _NORMALIZERS_GROW:
+                expand *= _NORMALIZERS_GROW[t]
+                shrinks = True
+                return True
+            if t == "Prepend":
+                extra += len(node.get("prepend", "").encode())
+                return True
+            if t == "Replace":
+                pat = (node.get("pattern") or {}).get("String")
+                if pat is None or not pat:
+                    return False
+                grow = len(node.get("content", "").encode())
+                expand *= max(1, -(-grow // len(pat.encode())))
+                shrinks = shrinks or grow < len(pat.encode())
+                return True
+            return False
+        if t not in _PRE_TOKENIZERS:
+            return False
+        if t == "Split" and node.get("behavior") == "Removed":
+            return False
+        if t == "Metaspace":  # ' ' (1 byte) -> U+2581 (3 bytes), maybe one more in front
+            expand *= 3
+            extra += 3
+        if t == "ByteLevel" and node.get("add_prefix_space"):
+            extra += 1
+        return True
+
+    if not walk(spec.get("normalizer"), "norm") or not walk(spec.get("pre_tokenizer"), "pre"):
+        return None
+    model = spec.get("model") or {}
+    if model.get("type") not in ("BPE", "Unigram", "WordPiece", "WordLevel"):
+        return None
+    extra = expand * extra + 8  # slack: a template may add a token or two
+    # A lower bound needs every byte to be covered by some vocabulary token: byte-level BPE or
+    # byte fallback. Otherwise an unknown-word token may stand for any number of bytes.
+    byte_level = "ByteLevel" in orjson.dumps(spec.get("pre_tokenizer")).decode()
+    covered = model.get("byte_fallback") or (model.get("type") == "BPE" and byte_level)
+    max_bytes = 0 if shrinks or not covered or not vocab else max(len(t.encode("utf-8")) for t in vocab)
+    return expand, extra, max_bytes, specials

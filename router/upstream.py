@@ -63,17 +63,31 @@ class Stream:
             await self.aclose()
             raise UpstreamTimeout(f"{self.stage} instance sent no data within {timeout:g}s", stage=self.stage) from None
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def start(self):
+        """Arm the stream's timer and return its reader: `await read()` is the next chunk
+        (b"" at the end). For a caller's own loop; `chunks()` is the iterator form."""
         loop = self._loop = asyncio.get_running_loop()
         self._last = loop.time()
         self._arm()
-        read = self._next
+        return self._read
+
+    async def _read(self) -> bytes:
+        try:
+            chunk = await self._content.readany()
+        except (aiohttp.ClientError, OSError) as exc:
+            if self._expired:
+                raise UpstreamTimeout(self._expired, stage=self.stage) from None
+            raise _translate(exc, self.stage) from None
+        self._last = self._loop.time()
+        return chunk
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        read = self.start()
         try:
             while True:
                 chunk = await read()
                 if not chunk:
                     return
-                self._last = loop.time()
                 yield chunk
         finally:
             if self._timer is not None:

@@ -25,14 +25,13 @@ async def run_router(settings, **overrides):
     import uvicorn
 
     from router.app import create_app
+    from router.server import uvicorn_config
 
     settings = settings.replace(port=free_port(), host="127.0.0.1")
     app = create_app(settings, **overrides)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=2,
-                            # as `pd-router serve` does: uvicorn's 5 s default lets a loaded test
-                            # machine race a pooled client connection against its idle close
-                            timeout_keep_alive=75, backlog=4096)
+    # the same server the CLI runs (router/server.py: hot endpoints below ASGI; keep-alive 75 s,
+    # not uvicorn's 5 s default that a loaded test machine can race with a pooled client)
+    config = uvicorn_config(app, settings, lifespan="on", timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     for _ in range(500):

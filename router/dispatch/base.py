@@ -42,6 +42,7 @@ class Job:
     route: str = "direct"
     auth: str | None = None  # client's Authorization, forwarded only if configured
     strip_usage: bool = False  # the router asked D for stream usage; drop the usage event for the client
+    counted: bool = True  # prompt_tokens is the router's count (False: tokenizing was skipped, see api)
 
 
 @dataclass

@@ -1,0 +1,182 @@
+"""The router's HTTP/1.1 server: uvicorn's httptools protocol, with the two hot endpoints
+served below ASGI.
+
+uvicorn keeps what it does well: parsing (httptools), keep-alive and its timeout, pipelined
+requests (queued, one response at a time), 100-continue, the lifespan, signals and the
+graceful drain. Every request that is not `POST /v1/completions` or
+`POST /v1/chat/completions` goes to the FastAPI app as before. The hot requests run
+`api.handle` directly and write their answer straight to the connection's transport:
+
+- a streamed answer is chunk-framed and written by `relay.pump`, one flat loop per stream
+  (no async-generator layers, no ASGI message dict, no `send` coroutine per chunk);
+- backpressure: while the client's socket buffer is above the high-water mark the loop
+  waits in `flow.drain()` and stops reading the engine (aiohttp then pauses the engine's
+  socket); a large request body pauses reading from the client (uvicorn's flow control);
+- the client closing its connection cancels the request's task at once (from
+  `connection_lost`), which closes both upstream legs so the engines abort the request;
+- body size limit, bad JSON and every other error: the same OpenAI-shaped answers as the
+  ASGI path (`api.handle` builds them).
+
+Measured reason (docs/performance.md): at 64 streams uvicorn's ASGI `send` and the
+generator layers were the largest Python costs per streamed chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+from starlette.requests import Request
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from router.errors import error_body
+from router.fastpath import HOT_PATHS, RelayResponse
+from router.relay import pump
+
+log = logging.getLogger("pd_router")
+_INTERNAL = orjson.dumps(error_body("internal router error", "internal_error"))
+_CHUNKED = b"transfer-encoding: chunked\r\n"
+_CLOSE = b"connection: close\r\n"
+_LAST_CHUNK = b"0\r\n\r\n"
+
+
+class RouterHttpProtocol(HttpToolsProtocol):
+    """uvicorn's `HttpToolsProtocol`; hot POSTs are served by `_serve_hot` instead of ASGI.
+
+    Give it to uvicorn as `http=RouterHttpProtocol` with the app `router.app.create_app`
+    returns (a `RouterASGI`: its `.app` is FastAPI, its `_handle` is `api.handle`).
+    """
+
+    _hot_task: asyncio.Task | None = None
+    _hot_gone = False
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.router_app = _router_app(self.app)
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        scope = cycle.scope
+        kind = HOT_PATHS.get(scope["path"]) if scope["method"] == "POST" else None
+        if kind is None or app is not self.app or self.router_app is None:
+            super()._start_asgi_task(cycle, app)  # everything else (and 503s for limit_concurrency)
+            return
+        task = self.loop.create_task(self._serve_hot(cycle, self.router_app, kind))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        task = self._hot_task  # set only while a stream is relayed
+        super().connection_lost(exc)
+        if task is not None and not task.done():
+            self._hot_gone = True
+            task.cancel()  # the client left mid-stream: close the upstream legs now
+
+    # Until the stream starts, `api.handle` itself notices a disconnect (its dispatch is
+    # watched through `receive`) and answers 499 after counting the request as cancelled.
+
+    # -- the hot request ---------------------------------------------------------------------
+
+    async def _serve_hot(self, cycle, app, kind: str) -> None:
+        scope = cycle.scope
+        started = False
+        try:
+            response = await app._handle(app.app.state.pdr, Request(scope, cycle.receive), kind, scope["path"])
+            if cycle.disconnected:
+                if isinstance(response, RelayResponse):
+                    await self._abandon(response)
+                return
+            started = True
+            if isinstance(response, RelayResponse):
+                await self._stream(cycle, response)
+            else:
+                self._whole(cycle, response.status_code, response.raw_headers, response.body)
+        except asyncio.CancelledError:
+            if not self._hot_gone:
+                raise
+            asyncio.current_task().uncancel()  # the client left: not an error of ours
+        except Exception:  # noqa: BLE001 - never let a bug surface as a dropped connection
+            log.exception("internal error handling %s", scope["path"])
+            if not started and not cycle.disconnected:
+                self._whole(cycle, 500, [(b"content-type", b"application/json"),
+                                         (b"content-length", str(len(_INTERNAL)).encode())], _INTERNAL)
+            elif not self.transport.is_closing():
+                self.transport.close()  # a stream broke half-way: the client sees a cut stream
+        finally:
+            cycle.on_response = lambda: None  # as uvicorn's run_asgi: a late call starts nothing
+
+    def _head(self, cycle, status: int, headers) -> list[bytes]:
+        out = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            out += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            out += (name, b": ", value, b"\r\n")
+        if not cycle.keep_alive:
+            out.append(_CLOSE)
+        return out
+
+    def _whole(self, cycle, status: int, headers, body: bytes) -> None:
+        head = self._head(cycle, status, headers)
+        head += (b"\r\n", body)
+        cycle.response_started = True
+        self.transport.write(b"".join(head))
+        self._complete(cycle)
+
+    def _complete(self, cycle) -> None:
+        cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        on_response = cycle.on_response
+        cycle.on_response = lambda: None
+        on_response()  # next pipelined request, or the keep-alive timer
+
+    async def _stream(self, cycle, response: RelayResponse) -> None:
+        head = self._head(cycle, 200, response.raw_headers)
+        head += (_CHUNKED, b"\r\n")
+        cycle.response_started = True
+        transport = self.transport
+        transport.write(b"".join(head))
+
+        def write(chunk: bytes) -> None:
+            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+        self._hot_gone = False
+        self._hot_task = asyncio.current_task()
+        try:
+            await pump(*response.args, write, self.flow)
+        finally:
+            self._hot_task = None
+        transport.write(_LAST_CHUNK)
+        self._complete(cycle)
+
+    @staticmethod
+    async def _abandon(response: RelayResponse) -> None:
+        """The client left after the decode leg answered and before the stream started:
+        close the legs and count the request as cancelled (what the stream would do)."""
+        outcome, _job, tally, _itl, finish = response.args
+        tally.outcome = "cancelled"
+        try:
+            await outcome.close()
+        finally:
+            finish(tally)
+
+
+def _router_app(app):
+    """The `RouterASGI` inside uvicorn's wrappers (ProxyHeadersMiddleware, ...), or None."""
+    for _ in range(8):
+        if app is None or hasattr(app, "_handle"):
+            return app
+        app = getattr(app, "app", None)
+    return None
+
+
+def uvicorn_config(app, settings, **kw):
+    """uvicorn settings the router runs with (the CLI and the tests share them)."""
+    import uvicorn
+
+    opts = dict(host=settings.host, port=settings.port, log_config=None, access_log=False, loop="auto",
+                http=RouterHttpProtocol, backlog=4096, timeout_keep_alive=75,
+                timeout_graceful_shutdown=int(settings.shutdown_grace))
+    opts.update(kw)
+    return uvicorn.Config(app, **opts)

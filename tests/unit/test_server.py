@@ -1,0 +1,295 @@
+"""The router's own serving of the hot endpoints (router/server.py) and its relay loop
+(`relay.pump`), on raw sockets: keep-alive, pipelining, chunked framing, disconnects,
+backpressure, request-size limits and error shapes."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+import orjson
+import pytest
+
+from router.dispatch.base import Job, Outcome
+from router.fastpath import RouterASGI
+from router.metrics import Metrics
+from router.relay import Tally, pump
+from tests.unit.routerkit import LONG, SHORT, completion_legs, sse_events, topology
+
+
+async def _open(url: str):
+    u = urlsplit(url)
+    return await asyncio.open_connection(u.hostname, u.port)
+
+
+def _post(path: str, body: dict | bytes, extra: bytes = b"") -> bytes:
+    raw = body if isinstance(body, bytes) else orjson.dumps(body)
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: " + str(len(raw)).encode() + b"\r\n" + extra + b"\r\n" + raw)
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 response: (status, headers, body), the body de-chunked."""
+    status_line = await asyncio.wait_for(reader.readline(), 10)
+    assert status_line.startswith(b"HTTP/1.1 "), status_line
+    status = int(status_line.split()[1])
+    headers = {}
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b""):
+            break
+        k, v = line.decode().split(":", 1)
+        headers[k.strip().lower()] = v.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readline()).strip(), 16)
+            data = await reader.readexactly(size + 2)
+            assert data.endswith(b"\r\n")
+            if size == 0:
+                break
+            body += data[:-2]
+    else:
+        body = await reader.readexactly(int(headers.get("content-length", 0)))
+    return status, headers, body
+
+
+def _openai_error(body: bytes) -> dict:
+    doc = orjson.loads(body)
+    assert set(doc) == {"error"} and {"message", "type", "param", "code"} <= set(doc["error"]), doc
+    return doc["error"]
+
+
+async def test_keep_alive_stream_then_whole_then_get(tiny_model_path, monkeypatch):
+    async def not_asgi(*a, **kw):
+        raise AssertionError("a hot POST went through the ASGI app")
+
+    monkeypatch.setattr(RouterASGI, "_hot", not_asgi)  # the server must answer these itself
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        reader, writer = await _open(url)
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 3, "stream": True}))
+        status, headers, body = await _response(reader)
+        assert status == 200 and headers["transfer-encoding"] == "chunked"
+        assert headers["content-type"].startswith("text/event-stream") and headers["x-request-id"]
+        events = sse_events(body.decode())
+        assert events[-1] == "[DONE]" and len(events) == 4
+        # same connection, a non-streamed answer, then a request for the FastAPI app
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 2}))
+        status, headers, body = await _response(reader)
+        assert status == 200 and int(headers["content-length"]) == len(body)
+        assert orjson.loads(body)["usage"]["completion_tokens"] == 2
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, _, body = await _response(reader)
+        assert status == 200 and orjson.loads(body)["status"] == "ok"
+        writer.close()
+
+
+async def test_pipelined_requests_answer_in_order(tiny_model_path):
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        reader, writer = await _open(url)
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": LONG, "max_tokens": 4, "stream": True})
+                     + _post("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": "hi"}]})
+                     + _post("/v1/completions", b"{not json"))
+        s1, _, b1 = await _response(reader)
+        s2, _, b2 = await _response(reader)
+        s3, _, b3 = await _response(reader)
+        assert s1 == 200 and sse_events(b1.decode())[-1] == "[DONE]"
+        assert s2 == 200 and orjson.loads(b2)["object"] == "chat.completion"
+        assert s3 == 400 and _openai_error(b3)["code"] == "invalid_json"
+        writer.close()
+
+
+async def test_connection_close_is_honoured(tiny_model_path):
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        reader, writer = await _open(url)
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 2, "stream": True},
+                           b"connection: close\r\n"))
+        status, headers, body = await _response(reader)
+        assert status == 200 and headers.get("connection") == "close"
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # the router closed the connection
+        writer.close()
+
+
+async def test_error_shapes_and_bad_requests(tiny_model_path):
+    async with topology(tiny_model_path, max_body_bytes=2000) as (c, url, ps, ds, app):
+        reader, writer = await _open(url)
+        cases = [
+            (_post("/v1/completions", b"[1, 2]"), 400, "invalid_json"),
+            (_post("/v1/completions", {"model": "nope", "prompt": SHORT}), 404, None),
+            (_post("/v1/completions", {"model": "tiny", "prompt": "x" * 5000}), 413, "payload_too_large"),
+        ]
+        for raw, want, code in cases:
+            writer.write(raw)
+            status, headers, body = await _response(reader)
+            assert status == want, body
+            assert headers["content-type"] == "application/json"
+            err = _openai_error(body)
+            if code:
+                assert err["code"] == code
+        writer.close()
+        # a body declared larger than the limit is refused before it is read
+        reader, writer = await _open(url)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 999999\r\n\r\n{")
+        status, _, body = await _response(reader)
+        assert status == 413 and _openai_error(body)["code"] == "payload_too_large"
+        writer.close()
+        # malformed HTTP: a 400 and the connection closed
+        reader, writer = await _open(url)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nbad header line\r\n\r\n")
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        assert status_line.startswith(b"HTTP/1.1 400")
+        writer.close()
+        # a GET on a hot path is the framework's 405, not the fast path
+        r = await c.get("/v1/completions")
+        assert r.status_code == 405 and "error" in r.json()
+        await asyncio.sleep(0.05)
+        assert app.state.pdr.in_flight == 0
+
+
+async def test_disconnect_mid_stream_closes_decode_leg_raw(tiny_model_path):
+    async with topology(tiny_model_path, engine_kw={"itl_s": 0.05}) as (c, url, ps, ds, app):
+        reader, writer = await _open(url)
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": LONG, "max_tokens": 500, "stream": True}))
+        await asyncio.wait_for(reader.readuntil(b"data: "), 10)  # the stream has started
+        writer.transport.abort()  # hang up mid-stream
+        leg = await ds[0].wait_for(lambda q: q.method == "POST" and q.t_end is not None, timeout=5)
+        assert leg.disconnected
+        for _ in range(100):
+            if app.state.pdr.in_flight == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert app.state.pdr.in_flight == 0
+        assert all(i.in_flight == 0 for i in app.state.pdr.registry)
+        m = (await c.get("/metrics")).text
+        assert 'pd_router_requests_total{mode="pull",outcome="cancelled",route="disaggregated"} 1.0' in m
+        assert len(completion_legs(ds[0])) == 1
+
+
+# -- relay.pump on its own -------------------------------------------------------------------
+
+
+class _FakeStream:
+    """Stands in for upstream.Stream: hands out queued chunks, records reads and close."""
+
+    def __init__(self, chunks: list[bytes]):
+        self.chunks = list(chunks)
+        self.reads = 0
+        self.closed = False
+
+    def start(self):
+        return self._read
+
+    async def _read(self) -> bytes:
+        self.reads += 1
+        await asyncio.sleep(0)
+        return self.chunks.pop(0) if self.chunks else b""
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class _Flow:
+    def __init__(self) -> None:
+        self.write_paused = False
+        self.ready = asyncio.Event()
+
+    async def drain(self) -> None:
+        await self.ready.wait()
+
+
+def _event(i: int, usage: dict | None = None, choices: bool = True) -> bytes:
+    doc = {"choices": [{"index": 0, "text": f" t{i}"}] if choices else []}
+    if usage is not None:
+        doc["usage"] = usage
+    return b"data: " + orjson.dumps(doc) + b"\n\n"
+
+
+def _job(strip: bool = False) -> Job:
+    return Job(kind="completions", path="/v1/completions", body={}, stream=True, request_id="r", prompt_tokens=1,
+               model="tiny", strip_usage=strip)
+
+
+async def test_pump_backpressure_stops_reading_until_drained():
+    stream = _FakeStream([_event(1), _event(2), b"data: [DONE]\n\n"])
+    outcome = Outcome(decode=None, body=_event(0), stream=stream)
+    flow, written, done = _Flow(), [], []
+    hist = Metrics().itl.labels("direct", "none")
+
+    def write(chunk: bytes) -> None:
+        written.append(chunk)
+        flow.write_paused = True  # the client's socket buffer is full after every write
+
+    task = asyncio.create_task(pump(outcome, _job(), Tally(), hist, done.append, write, flow))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert written == [_event(0)] and stream.reads == 0  # waiting for the client, not reading D
+    flow.write_paused = False
+    flow.ready.set()
+    await asyncio.wait_for(task, 5)
+    assert b"".join(written).endswith(b"data: [DONE]\n\n") and len(written) == 4
+    assert stream.closed and len(done) == 1 and done[0].outcome == "ok"
+    assert done[0].chunks == 3  # three token events, [DONE] is not one
+
+
+async def test_pump_usage_rewrite_strip_itl_batch_and_truncation():
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 5}}
+    split = _event(9, usage, choices=False)
+    stream = _FakeStream([_event(1), split[:-15], split[-15:] + b"data: [DONE]\n\n"])
+    outcome = Outcome(decode=None, body=_event(0), stream=stream)
+    flow, written, done = _Flow(), [], []
+    metrics = Metrics()
+    hist = metrics.itl.labels("direct", "none")
+    await pump(outcome, _job(strip=True), Tally(), hist, done.append, written.append, flow)
+    text = b"".join(written)
+    assert b"usage" not in text and text.endswith(b"data: [DONE]\n\n")  # the client did not ask for usage
+    t = done[0]
+    assert t.output_tokens == 2 and t.outcome == "ok" and t.chunks == 2
+    assert metrics.registry.get_sample_value("pd_router_inter_token_latency_seconds_count",
+                                             {"route": "direct", "mode": "none"}) == 1.0  # flushed at the end
+
+    # a stream that ends without [DONE]: the error event, then finish
+    stream = _FakeStream([_event(1)])
+    done.clear()
+    written.clear()
+    await pump(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(), hist, done.append,
+               written.append, flow)
+    assert b'"truncated_stream"' in written[-1] and written[-1].endswith(b"data: [DONE]\n\n")
+    assert done[0].outcome == "upstream_error" and stream.closed
+
+
+async def test_pump_cancelled_closes_stream_and_finishes():
+    class Hang(_FakeStream):
+        async def _read(self) -> bytes:
+            await asyncio.sleep(60)
+            return b""
+
+    stream = Hang([])
+    done: list = []
+    task = asyncio.create_task(pump(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(),
+                                    Metrics().itl.labels("direct", "none"), done.append, lambda b: None, _Flow()))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert stream.closed and done[0].outcome == "cancelled"
+
+
+async def test_a_bug_is_an_openai_shaped_500_and_the_connection_survives(tiny_model_path, monkeypatch):
+    import router.api
+
+    def broken(*a, **kw):
+        raise RuntimeError("boom")
+
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        monkeypatch.setattr(router.api, "plan", broken)
+        reader, writer = await _open(url)
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 2, "stream": True}))
+        status, headers, body = await _response(reader)
+        assert status == 500 and _openai_error(body)["type"] == "internal_error"
+        monkeypatch.undo()
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 2}))
+        status, _, body = await _response(reader)  # same keep-alive connection
+        assert status == 200
+        writer.close()
