@@ -162,6 +162,9 @@ class RouterHttpProtocol(HttpToolsProtocol):
             finish(tally)
 
 
+_HOOKS_PRESENT = all(hasattr(HttpToolsProtocol, name) for name in ("_start_asgi_task", "connection_lost"))
+
+
 def _router_app(app):
     """The `RouterASGI` inside uvicorn's wrappers (ProxyHeadersMiddleware, ...), or None."""
     for _ in range(8):
@@ -175,8 +178,14 @@ def uvicorn_config(app, settings, **kw):
     """uvicorn settings the router runs with (the CLI and the tests share them)."""
     import uvicorn
 
+    # RouterHttpProtocol overrides uvicorn internals (pinned in pyproject.toml); should a
+    # different uvicorn lack them, serve everything through ASGI rather than fail.
+    http = RouterHttpProtocol if _HOOKS_PRESENT else "httptools"
+    if not _HOOKS_PRESENT:
+        log.warning("uvicorn %s lacks the protocol hooks router/server.py needs; hot endpoints go "
+                    "through ASGI (slower)", uvicorn.__version__)
     opts = dict(host=settings.host, port=settings.port, log_config=None, access_log=False, loop="auto",
-                http=RouterHttpProtocol, backlog=4096, timeout_keep_alive=75,
+                http=http, backlog=4096, timeout_keep_alive=75,
                 timeout_graceful_shutdown=int(settings.shutdown_grace))
     opts.update(kw)
     return uvicorn.Config(app, **opts)
