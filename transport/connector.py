@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from transport.base import Region
+from transport.connector_stats import PdrKVConnectorStats, PdrPromMetrics
 from transport.kvmeta import RecvReq, SendReq, StepMeta, base_request_id, layout_from_planes, plane_of
 from transport.push_state import PushReceiver, PushSender
 from transport.select import create
@@ -234,6 +235,26 @@ class PdrPushConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
+
+    # ---- stats (transport.connector_stats) ----------------------------------------------------
+
+    def get_kv_connector_stats(self) -> PdrKVConnectorStats | None:
+        """Worker side, every step: the transfers recorded since the last call, or None."""
+        data: dict[str, list] = {}
+        for side in (self.sender, self.receiver):
+            got = side.xfer.take() if side is not None else None
+            for k, v in (got or {}).items():
+                data.setdefault(k, []).extend(v)
+        return PdrKVConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdrKVConnectorStats:
+        return PdrKVConnectorStats(data=data) if data is not None else PdrKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PdrPromMetrics:
+        return PdrPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self.sender, self.receiver):

@@ -184,3 +184,37 @@ def test_decode_abort_while_waiting_releases_both_sides(stack):
         time.sleep(0.5)
     b = body_for("completions", unique(SHORTISH), False)
     assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
+
+
+def _pdr_counters(url: str) -> dict[str, float]:
+    """The connector's counters (transport.connector_stats) from one instance's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.name.startswith("vllm:pdr_kv_") and s.name.endswith("_total"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_pdr_transfer_stats_reach_metrics_on_both_sides(stack):
+    """The workers' transfer stats travel through vLLM's KVConnectorStats path to each front end's
+    /metrics: after a disaggregated request P's sent bytes grew, and P's sent and D's received
+    totals (bytes and transfers) agree (they reach /metrics asynchronously: wait for them)."""
+    url, mono, p, d = stack
+    before_p = _pdr_counters(p.url)
+    assert "vllm:pdr_kv_sent_bytes_total" in before_p, "the connector's metrics are not registered"
+    b = body_for("completions", unique(LONG), False)
+    assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
+    t0 = time.monotonic()
+    while True:
+        cp, cd = _pdr_counters(p.url), _pdr_counters(d.url)
+        grew = cp["vllm:pdr_kv_sent_bytes_total"] > before_p["vllm:pdr_kv_sent_bytes_total"]
+        if grew and cp["vllm:pdr_kv_sent_bytes_total"] == cd["vllm:pdr_kv_received_bytes_total"]:
+            break
+        assert time.monotonic() - t0 < 30, f"P {cp} / D {cd} (P before {before_p})"
+        time.sleep(0.5)
+    assert cp["vllm:pdr_kv_sent_bytes_total"] > 0
+    assert cp["vllm:pdr_kv_sent_transfers_total"] == cd["vllm:pdr_kv_received_transfers_total"] > 0
+    assert cp["vllm:pdr_kv_descriptors_total"] >= cp["vllm:pdr_kv_sent_transfers_total"]
+    assert cd["vllm:pdr_kv_sent_bytes_total"] == 0 and cp["vllm:pdr_kv_received_bytes_total"] == 0
