@@ -374,7 +374,7 @@ def summary(results: dict, reference: str = "mono") -> str:
         parts = [f"{role} " + " ".join(f"{k}={v}" for k, v in d.items()) for role, d in roles.items()]
         out.append(f"prompt_tokens_by_source delta over the {setup} load: " + "; ".join(parts))
     for setup, roles in results.get("connector", {}).items():
-        parts = [f"{role} " + " ".join(f"{k.removeprefix('vllm:')}={v:g}" for k, v in d.items() if v)
+        parts = [f"{role} " + (" ".join(f"{k.removeprefix('vllm:')}={v:g}" for k, v in d.items() if v) or "none")
                  for role, d in roles.items()]
         out.append(f"connector metrics delta over the {setup} load: " + "; ".join(parts))
     sent = {}
