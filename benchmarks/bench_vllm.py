@@ -369,7 +369,8 @@ def table(points: list[dict], reference: str = "mono") -> str:
 def summary(results: dict, reference: str = "mono") -> str:
     out = [table(results["points"], reference), ""]
     checks = {k: v for k, v in results["checks"].items() if not k.startswith("reference@")}
-    out.append(f"greedy answer equals {results.get('check_reference', 'mono')}'s: " + (", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checks.items()) or "n/a"))
+    answers = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checks.items()) or "n/a"
+    out.append(f"greedy answer equals {results.get('check_reference', 'mono')}'s: " + answers)
     for setup, roles in results["sources"].items():
         parts = [f"{role} " + " ".join(f"{k}={v}" for k, v in d.items()) for role, d in roles.items()]
         out.append(f"prompt_tokens_by_source delta over the {setup} load: " + "; ".join(parts))

@@ -84,7 +84,10 @@ def test_payload_survives_vllms_serializer():
 
 def _prom(registry):
     def bound(cls):
-        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry, **k)})
+        def init(self, *a, **k):
+            cls.__init__(self, *a, registry=registry, **k)
+
+        return type(cls.__name__, (cls,), {"__init__": init})
 
     types = {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)}
     return PdrPushConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types,
