@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from transport.base import Region, Transport
 from transport.kvmeta import KVLayout, RecvReq, Registration, SendReq, pair_blocks
 from transport.layout import build_descriptors
+from transport.timeline import tl
 from transport.xfer_stats import XferRecorder
 
 log = logging.getLogger("pdr.push")
@@ -172,6 +173,7 @@ class PushSender:
         return {"ok": False, "error": f"unknown kind {kind!r}"}
 
     def add_finished(self, send: SendReq) -> None:
+        tl("P_worker_sees_finished", send.base_id)
         with self._lock:
             if self._cancelled.pop(send.base_id, None) is not None:  # decode gave up already
                 self._done.add(send.req_id)
@@ -184,6 +186,7 @@ class PushSender:
         self._jobs.put((send, *hit))
 
     def on_registration(self, reg: Registration) -> dict:
+        tl("P_register_in", reg.base_id)
         now = self._clock()
         with self._lock:
             if self._cancelled.pop(reg.base_id, None) is not None:
@@ -290,9 +293,11 @@ class PushSender:
         try:
             peer = self._peer(reg)
             t0 = time.perf_counter()
+            tl("P_write_start", send.base_id)
             t = self.transport.write(peer, descs, reg.dst_req_id.encode(), timeout=self.transfer_timeout)
             t.wait()
             took = time.perf_counter() - t0
+            tl("P_write_acked", send.base_id)
         except Exception:
             self._peers.pop(reg.endpoint, None)  # reconnect next time (decode restarted?)
             raise
@@ -379,8 +384,10 @@ class PushReceiver:
             self._fail(recv.req_id)
 
     def _register(self, recv: RecvReq, reg: Registration) -> None:
+        tl("D_register_send", recv.base_id)
         try:
             answer = self._send(recv.remote_host, recv.remote_port, reg.encode())
+            tl("D_register_answered", recv.base_id)
             if not answer.get("ok"):
                 raise RuntimeError(answer.get("error") or "refused")
         except Exception as e:  # noqa: BLE001 - fail the request, free the blocks
@@ -416,6 +423,7 @@ class PushReceiver:
                     recv = self._where.pop(msg, None)
                     deadline = self._pending.pop(msg, None)
                     if deadline is not None:
+                        tl("D_notification", msg)
                         self._finished.add(msg)
                         waited = self._clock() - (deadline - self.timeout_s)
                         self.xfer.received(self.expected_bytes(recv) if recv else 0, waited)
