@@ -7,6 +7,8 @@ Setups, measured one after another (at most two vLLM instances alive at a time):
   so every request takes the direct route (b). (a) and (b) alternate at every load point.
 - ``pull``: the router, ``--mode pull``, threshold 1, NixlConnector prefill + decode (c).
 - ``push``: the router, ``--mode push``, threshold 1, NixlPushConnector prefill + decode (d).
+- ``pdr``: the router, ``--mode push``, threshold 1, pd-router's own connector
+  (``transport.connector.PdrPushConnector``, ``--pdr-transport``, default cma) prefill + decode (e).
 
 Placement (2-core host, as tests/integration/conftest.py): decode-capable instances (the mono
 instance and both decode instances) bind the LAST core, prefill instances the first (push hangs
@@ -20,14 +22,21 @@ counts a request's tokens from vLLM's usage chunk, because a busy vLLM API serve
 into one streamed chunk), open loop at fixed rates, streaming ``/v1/completions`` with distinct
 prompts of about ``--prompt-tokens`` tokens and ``--max-tokens`` new tokens.
 
+Every setup gets the same arrivals: loadgen's open loop sends request ``i`` at ``i / rate`` s with
+the same bodies in the same order. Ratio columns divide by ``--reference`` (default: mono when it
+runs, else the first setup) at the same prompt length and rate.
+
 Checks inside the run (reported, never asserted on timing): one greedy request per prompt length
-through every router setup must equal the mono instance's answer, and the decode instance's
-``vllm:prompt_tokens_by_source_total`` deltas over the measured load show where its prompt
-tokens came from (disaggregated traffic: ``local_compute`` 0, all ``external_kv_transfer``).
+through every setup must equal the first setup's answer (the mono instance's when ``mono`` runs
+first), the decode instance's ``vllm:prompt_tokens_by_source_total`` deltas over the measured load
+show where its prompt tokens came from (disaggregated traffic: ``local_compute`` 0, all
+``external_kv_transfer``), and the connectors' own transfer metrics over the load are reported
+(``vllm:pdr_kv_*`` for pdr, ``vllm:nixl_*`` for NIXL: bytes, transfers, transfer time).
 
     .venv/bin/python -m benchmarks.bench_vllm            # full: ~10-12 min on a quiet 2-core host
     .venv/bin/python -m benchmarks.bench_vllm --quick    # ~4 min
     .venv/bin/python -m benchmarks.bench_vllm --wait-load 3 --json /tmp/bench_vllm.json
+    .venv/bin/python -m benchmarks.bench_vllm --quick --setups pdr,push,pull --reference pdr
 """
 
 from __future__ import annotations
@@ -49,13 +58,22 @@ from launch.local import Launcher, Process, free_ports
 from launch.tiny_model import SERVED_NAME, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-SETUPS = ("mono", "router-direct", "pull", "push")
+SETUPS = ("mono", "router-direct", "pull", "push", "pdr")
 LABELS = {
     "mono": "(a) mono, no router",
     "router-direct": "(b) router direct route",
     "pull": "(c) router pull (NIXL)",
     "push": "(d) router push (NIXL push)",
+    "pdr": "(e) router push (pdr connector)",
 }
+ROUTER_MODE = {"pull": "pull", "push": "push", "pdr": "push"}
+# Connector transfer metrics read from P and D around each setup's load (sums over the load).
+CONNECTOR_METRICS = ("vllm:pdr_kv_sent_bytes_total", "vllm:pdr_kv_sent_transfers_total",
+                     "vllm:pdr_kv_received_bytes_total", "vllm:pdr_kv_failed_sends_total",
+                     "vllm:pdr_kv_failed_recvs_total", "vllm:pdr_kv_xfer_time_seconds_sum",
+                     "vllm:pdr_kv_xfer_time_seconds_count", "vllm:nixl_xfer_time_seconds_sum",
+                     "vllm:nixl_xfer_time_seconds_count", "vllm:nixl_bytes_transferred_sum",
+                     "vllm:nixl_num_failed_transfers_total")
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 _CORES = sorted(os.sched_getaffinity(0))
 START_TIMEOUT = 600.0
@@ -97,6 +115,24 @@ def prompt_token_sources(url: str, model: str = SERVED_NAME) -> dict[str, float]
             if s.name == "vllm:prompt_tokens_by_source_total" and s.labels.get("model_name") == model:
                 out[s.labels["source"]] = out.get(s.labels["source"], 0.0) + s.value
     return out
+
+
+def connector_metrics(url: str) -> dict[str, float]:
+    """The ``CONNECTOR_METRICS`` an instance exports (summed over labels; absent ones left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in CONNECTOR_METRICS:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def fdelta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before.get(k, 0.0), 6) for k in after}
 
 
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
@@ -176,7 +212,8 @@ def run_load(url: str, rate: float, prompt_chars: int, args: argparse.Namespace)
 class Bench:
     def __init__(self, args: argparse.Namespace, launcher: Launcher, model_dir: Path) -> None:
         self.args, self.launcher, self.model_dir = args, launcher, model_dir
-        self.results: dict = {"points": [], "checks": {}, "sources": {}, "startup_s": {}, "errors": {}}
+        self.results: dict = {"points": [], "checks": {}, "sources": {}, "startup_s": {}, "errors": {},
+                        "connector": {}}
 
     def spec(self, name: str, role: str = "both", connector: str = "none", **kw) -> EngineSpec:
         http_port, kv_port = free_ports(2)
@@ -217,11 +254,15 @@ class Bench:
         for target, _ in self.args.prompt_plan:
             prompt = self.args.check_prompts[target]
             got = greedy(url, prompt, self.args.max_tokens)
-            ref = self.results["checks"].setdefault(f"reference@{target}", got if setup == "mono" else None)
-            if setup != "mono":
-                ok = ref is not None and got == ref
-                self.results["checks"][f"{setup}@{target}"] = ok
-                log(f"check {setup} @{target} tok: {'equal to mono' if ok else 'DIFFERENT from mono'}")
+            checks = self.results["checks"]
+            if f"reference@{target}" not in checks:  # the first setup checked (mono when it runs first)
+                checks[f"reference@{target}"] = got
+                self.results["check_reference"] = setup
+                continue
+            first = self.results["check_reference"]
+            ok = got == checks[f"reference@{target}"]
+            checks[f"{setup}@{target}"] = ok
+            log(f"check {setup} @{target} tok: {'equal to' if ok else 'DIFFERENT from'} {first}")
 
     def measure(self, setup: str, url: str, reset: list[str], target: int, chars: int, rate: float) -> None:
         resets = [reset_prefix_cache(u) for u in reset]
@@ -252,16 +293,24 @@ class Bench:
         if setup == "pull":
             specs = [self.spec("pull-prefill", role="prefill", connector="nixl"),
                      self.spec("pull-decode", role="decode", connector="nixl")]
+        elif setup == "pdr":
+            extra = {"transport": self.args.pdr_transport}
+            specs = [self.spec("pdr-prefill", role="prefill", connector="pdr", engine_id="prefill-0",
+                               connector_extra=extra),
+                     self.spec("pdr-decode", role="decode", connector="pdr", engine_id="decode-0",
+                               connector_extra=extra)]
         else:
             specs = [self.spec("push-prefill", role="prefill", connector="nixl-push", engine_id="prefill-0"),
                      self.spec("push-decode", role="decode", connector="nixl-push", engine_id="decode-0")]
         p, d = self.start_engines(setup, specs)
-        purl = push_prefill_url(p.spec) if setup == "push" else p.url
-        router, rurl = self.start_router(f"router-{setup}", setup, 1, [purl], [d.url])
+        mode = ROUTER_MODE[setup]
+        purl = push_prefill_url(p.spec) if mode == "push" else p.url
+        router, rurl = self.start_router(f"router-{setup}", mode, 1, [purl], [d.url])
         try:
             self.warm(rurl)
             self.check(setup, rurl)
             before_d, before_p = prompt_token_sources(d.url), prompt_token_sources(p.url)
+            xfer_p, xfer_d = connector_metrics(p.url), connector_metrics(d.url)
             for target, chars in self.args.prompt_plan:
                 for rate in self.args.rates:
                     self.measure(setup, rurl, [p.url, d.url], target, chars, rate)
@@ -269,6 +318,9 @@ class Bench:
                 "decode": delta(prompt_token_sources(d.url), before_d),
                 "prefill": delta(prompt_token_sources(p.url), before_p),
             }
+            time.sleep(2)  # connector stats reach /metrics with the engines' next steps
+            self.results["connector"][setup] = {"prefill": fdelta(connector_metrics(p.url), xfer_p),
+                                                "decode": fdelta(connector_metrics(d.url), xfer_d)}
         finally:
             self.launcher.stop(router)
             self.launcher.stop(d.process)
@@ -286,17 +338,18 @@ def ratio(v: float | None, base: float | None) -> str:
     return "n/a" if v is None or not base else f"{v / base:.2f}x"
 
 
-def table(points: list[dict]) -> str:
-    """One markdown table: every setup's numbers at every load point, router rows also as
-    ratios to the mono run (a) at the same point."""
+def table(points: list[dict], reference: str = "mono") -> str:
+    """One markdown table: every setup's numbers at every load point, the other rows also as
+    ratios to the ``reference`` setup's run (default mono, (a)) at the same point."""
+    ref = LABELS[reference].split()[0]
     head = ["prompt tok", "req/s", "setup", "n ok", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-            "ITL p99 ms", "tok/s", "errors", "TTFT p50 / (a)", "TTFT p99 / (a)", "ITL p50 / (a)",
-            "ITL p99 / (a)", "tok/s / (a)"]
+            "ITL p99 ms", "tok/s", "errors", f"TTFT p50 / {ref}", f"TTFT p99 / {ref}", f"ITL p50 / {ref}",
+            f"ITL p99 / {ref}", f"tok/s / {ref}"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keys = sorted({(p["prompt_tokens"], p["rate_set"]) for p in points})
     for target, rate in keys:
         at = {p["setup"]: p for p in points if (p["prompt_tokens"], p["rate_set"]) == (target, rate)}
-        base = at.get("mono")
+        base = at.get(reference)
         for setup in SETUPS:
             p = at.get(setup)
             if p is None:
@@ -304,8 +357,8 @@ def table(points: list[dict]) -> str:
             row = [str(target), f"{rate:g}", LABELS[setup], f"{p['ok']}/{p['requests_measured']}",
                    fmt(p["ttft_p50_ms"]), fmt(p["ttft_p99_ms"]), fmt(p["itl_p50_ms"], ".2f"),
                    fmt(p["itl_p99_ms"], ".2f"), fmt(p["tok_per_s"], ".0f"), str(p["errors"])]
-            if setup == "mono" or base is None:
-                row += ["1.00x" if setup == "mono" else "n/a"] * 5
+            if setup == reference or base is None:
+                row += ["1.00x" if setup == reference else "n/a"] * 5
             else:
                 row += [ratio(p[k], base[k]) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                                                         "itl_p99_ms", "tok_per_s")]
@@ -313,13 +366,18 @@ def table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summary(results: dict) -> str:
-    out = [table(results["points"]), ""]
+def summary(results: dict, reference: str = "mono") -> str:
+    out = [table(results["points"], reference), ""]
     checks = {k: v for k, v in results["checks"].items() if not k.startswith("reference@")}
-    out.append("greedy answer equals mono: " + (", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checks.items()) or "n/a"))
+    answers = ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in checks.items()) or "n/a"
+    out.append(f"greedy answer equals {results.get('check_reference', 'mono')}'s: " + answers)
     for setup, roles in results["sources"].items():
         parts = [f"{role} " + " ".join(f"{k}={v}" for k, v in d.items()) for role, d in roles.items()]
         out.append(f"prompt_tokens_by_source delta over the {setup} load: " + "; ".join(parts))
+    for setup, roles in results.get("connector", {}).items():
+        parts = [f"{role} " + (" ".join(f"{k.removeprefix('vllm:')}={v:g}" for k, v in d.items() if v) or "none")
+                 for role, d in roles.items()]
+        out.append(f"connector metrics delta over the {setup} load: " + "; ".join(parts))
     sent = {}
     for p in results["points"]:
         sent[p["setup"]] = sent.get(p["setup"], 0) + p["requests_total"]
@@ -354,7 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=None, help="seconds per load run (default 16; quick 10)")
     ap.add_argument("--warmup", type=float, default=2.0, help="seconds at the start of each run not measured")
     ap.add_argument("--request-timeout", type=float, default=60.0)
-    ap.add_argument("--setups", default="mono,pull,push", help="phases to run: mono (a and b), pull, push")
+    ap.add_argument("--setups", default="mono,pull,push", help="phases to run: mono (a and b), pull, push, pdr")
+    ap.add_argument("--reference", default=None, help="setup the ratio columns divide by "
+                    "(default mono when it runs, else the first of --setups)")
+    ap.add_argument("--pdr-transport", default="cma", help="transport of the pdr setup's connector")
     ap.add_argument("--wait-load", type=float, default=0.0, help="first wait until the 1-min load is below this")
     ap.add_argument("--wait-load-max", type=float, default=900.0)
     ap.add_argument("--run-dir", default=None, help="logs (default: a new temp dir)")
@@ -364,6 +425,12 @@ def main(argv: list[str] | None = None) -> int:
     targets = [int(x) for x in (args.prompt_tokens or ("1000" if args.quick else "300,1500")).split(",")]
     args.duration = args.duration or (10.0 if args.quick else 16.0)
     phases = args.setups.split(",")
+    bad = [x for x in phases if x not in ("mono", *ROUTER_MODE)]
+    if bad:
+        ap.error(f"unknown setups {bad}")
+    reference = args.reference or ("mono" if "mono" in phases else phases[0])
+    if reference not in SETUPS:
+        ap.error(f"unknown reference {reference!r}")
 
     if args.wait_load:
         wait_for_quiet(args.wait_load, args.wait_load_max)
@@ -394,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                      "duration": args.duration, "warmup": args.warmup, "argv": sys.argv[1:],
                      "cores": _CORES, "load_at_start": load_start, "load_at_end": os.getloadavg(),
                      "wall_s": time.monotonic() - t_start}
-    text = summary(res)
+    res["config"]["reference"] = reference
+    text = summary(res, reference)
     text += f"\nwall {res['config']['wall_s']:.0f} s; load average at start {load_start[0]:.2f}, at end {os.getloadavg()[0]:.2f}"
     print(text)
     if args.json:

@@ -38,11 +38,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                 KVConnectorRole, KVConnectorTransferResults)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from transport import timeline
 from transport.base import Region
+from transport.connector_stats import PdrKVConnectorStats, PdrPromMetrics
 from transport.kvmeta import (RecvReq, RemoteCancel, SendReq, StepMeta, base_request_id, layout_from_planes,
                               plane_of)
 from transport.push_state import PushReceiver, PushSender
 from transport.select import create
+from transport.timeline import tl
 
 if TYPE_CHECKING:
     import torch
@@ -111,6 +114,7 @@ class PdrPushConnector(KVConnectorBase_V1):
         self._cancel_recvs: list[str] = []
         self._cancel_unscheduled: list[RemoteCancel] = []
         self._waiting_recvs: set[str] = set()  # decode requests registered, push not yet in
+        self._tl_loaded: set[str] = set()  # PDR_TIMELINE only: loaded, not yet scheduled
         # worker side
         self.sender: PushSender | None = None
         self.receiver: PushReceiver | None = None
@@ -136,6 +140,7 @@ class PdrPushConnector(KVConnectorBase_V1):
         params["do_remote_prefill"] = False  # handled: a second call (after the load) is a no-op
         if num_external_tokens <= 0:
             return
+        tl("D_alloc", request.request_id)
         all_ids = list(blocks.get_block_ids()[0])
         new_ids = list(blocks.get_unhashed_block_ids())
         port = params.get("remote_port")
@@ -149,6 +154,9 @@ class PdrPushConnector(KVConnectorBase_V1):
         ))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        for rid in [r for r in self._tl_loaded if r in scheduler_output.num_scheduled_tokens]:
+            tl("D_scheduled_after_load", rid)
+            self._tl_loaded.discard(rid)
         meta = PdrConnectorMetadata(StepMeta(sends=self._sends, recvs=self._recvs,
                                              cancel_sends=self._cancel_sends,
                                              cancel_recvs=self._cancel_recvs,
@@ -161,6 +169,7 @@ class PdrPushConnector(KVConnectorBase_V1):
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
+        tl("P_request_finished" if self._producer else "D_request_finished", request.request_id)
         if request.request_id in self._waiting_recvs:
             # Decode request finished (aborted) while its push is outstanding. vLLM keeps its
             # blocks until we report it in finished_recving; the worker asks prefill to drop it.
@@ -198,8 +207,12 @@ class PdrPushConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         for rid in connector_output.finished_sending or ():
+            tl("P_finished_sending", rid)
             self._inflight_sends.discard(rid)
         for rid in connector_output.finished_recving or ():
+            tl("D_finished_recving", rid)
+            if timeline.ENABLED:
+                self._tl_loaded.add(rid)
             self._waiting_recvs.discard(rid)
 
     def has_pending_push_work(self) -> bool:
@@ -282,6 +295,26 @@ class PdrPushConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
+
+    # ---- stats (transport.connector_stats) ----------------------------------------------------
+
+    def get_kv_connector_stats(self) -> PdrKVConnectorStats | None:
+        """Worker side, every step: the transfers recorded since the last call, or None."""
+        data: dict[str, list] = {}
+        for side in (self.sender, self.receiver):
+            got = side.xfer.take() if side is not None else None
+            for k, v in (got or {}).items():
+                data.setdefault(k, []).extend(v)
+        return PdrKVConnectorStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdrKVConnectorStats:
+        return PdrKVConnectorStats(data=data) if data is not None else PdrKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: "VllmConfig", metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PdrPromMetrics:
+        return PdrPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self.sender, self.receiver):

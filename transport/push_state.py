@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from transport.base import Region, Transport
 from transport.kvmeta import KVLayout, RecvReq, Registration, SendReq, pair_blocks
 from transport.layout import build_descriptors
+from transport.timeline import tl
+from transport.xfer_stats import XferRecorder
 
 log = logging.getLogger("pdr.push")
 _LEN = struct.Struct("<I")
@@ -146,6 +148,7 @@ class PushSender:
         self._peers: dict[bytes, str] = {}
         self._jobs: queue.Queue = queue.Queue()
         self.stats = {"written": 0, "failed": 0, "expired": 0, "bytes": 0}
+        self.xfer = XferRecorder()  # per-interval observations for vLLM's stats (transport.xfer_stats)
         self.server: SideChannelServer | None = None
         self._writer: threading.Thread | None = None
 
@@ -170,6 +173,7 @@ class PushSender:
         return {"ok": False, "error": f"unknown kind {kind!r}"}
 
     def add_finished(self, send: SendReq) -> None:
+        tl("P_worker_sees_finished", send.base_id)
         with self._lock:
             if self._cancelled.pop(send.base_id, None) is not None:  # decode gave up already
                 self._done.add(send.req_id)
@@ -190,6 +194,7 @@ class PushSender:
         return f"KV layouts differ: {why}" if why else None
 
     def on_registration(self, reg: Registration) -> dict:
+        tl("P_register_in", reg.base_id)
         now = self._clock()
         why = self.incompatible(reg)
         if why:
@@ -250,6 +255,7 @@ class PushSender:
                     del self._ready[base]
                     self._done.add(send.req_id)
                     self.stats["expired"] += 1
+                    self.xfer.expired_send()
                     log.warning("push: lease of %s expired after %.0fs with no decode registration",
                                 send.req_id, self.lease_s)
             for base, (reg, t) in list(self._regs.items()):
@@ -279,6 +285,7 @@ class PushSender:
                 self.stats["written"] += 1
             except Exception as e:  # noqa: BLE001 - report to decode, free our blocks
                 self.stats["failed"] += 1
+                self.xfer.failed_send()
                 log.warning("push: write of %s to decode %s failed: %s", send.req_id, reg.dst_req_id, e)
                 self._notify_failure(reg)
             finally:
@@ -305,12 +312,18 @@ class PushSender:
                                   dst_stride=reg.layout.stride)
         try:
             peer = self._peer(reg)
+            t0 = time.perf_counter()
+            tl("P_write_start", send.base_id)
             t = self.transport.write(peer, descs, reg.dst_req_id.encode(), timeout=self.transfer_timeout)
             t.wait()
+            took = time.perf_counter() - t0
+            tl("P_write_acked", send.base_id)
         except Exception:
             self._peers.pop(reg.endpoint, None)  # reconnect next time (decode restarted?)
             raise
-        self.stats["bytes"] += int(descs[:, 2].sum()) if len(descs) else 0
+        nbytes = int(descs[:, 2].sum()) if len(descs) else 0
+        self.stats["bytes"] += nbytes
+        self.xfer.sent(nbytes, len(descs), took)
 
     def _notify_failure(self, reg: Registration) -> None:
         import numpy as np
@@ -351,6 +364,7 @@ class PushReceiver:
         self._failed: set[str] = set()
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdr-push-reg")
         self._endpoint = b""
+        self.xfer = XferRecorder()  # per-interval observations for vLLM's stats (transport.xfer_stats)
 
     def start(self) -> None:
         self.transport.start()  # before register(): nixl registers memory with its started agent
@@ -405,8 +419,10 @@ class PushReceiver:
             self._fail(recv.req_id)
 
     def _register(self, recv: RecvReq, reg: Registration) -> None:
+        tl("D_register_send", recv.base_id)
         try:
             answer = self._send(recv.remote_host, recv.remote_port, reg.encode())
+            tl("D_register_answered", recv.base_id)
         except Exception as e:  # noqa: BLE001 - fail the request, free the blocks
             log.warning("push: registering %s with %s:%s failed: %s", recv.req_id, recv.remote_host,
                         recv.remote_port, e)
@@ -422,6 +438,13 @@ class PushReceiver:
             self._where.pop(req_id, None)
             if self._pending.pop(req_id, None) is not None:
                 self._failed.add(req_id)
+                self.xfer.failed_recv()
+
+    def expected_bytes(self, recv: RecvReq) -> int:
+        """The bytes the prefill side writes for ``recv`` (``pair_blocks``: whole blocks from
+        ``first_block`` up to the one holding the last prompt token, on every plane)."""
+        needed = -(-recv.num_tokens // self.layout.block_size) - recv.first_block
+        return max(0, needed) * self.layout.block_bytes * len(self.layout.bases)
 
     def poll(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids since the last call; failed ones are in both sets,
@@ -435,9 +458,13 @@ class PushReceiver:
                 self._fail(msg)
             else:
                 with self._lock:
-                    self._where.pop(msg, None)
-                    if self._pending.pop(msg, None) is not None:
+                    recv = self._where.pop(msg, None)
+                    deadline = self._pending.pop(msg, None)
+                    if deadline is not None:
+                        tl("D_notification", msg)
                         self._finished.add(msg)
+                        waited = self._clock() - (deadline - self.timeout_s)
+                        self.xfer.received(self.expected_bytes(recv) if recv else 0, waited)
         now = self._clock()
         with self._lock:
             for rid, deadline in list(self._pending.items()):
@@ -446,6 +473,7 @@ class PushReceiver:
                     del self._pending[rid]
                     self._where.pop(rid, None)
                     self._failed.add(rid)
+                    self.xfer.failed_recv()
             failed, self._failed = self._failed, set()
             finished, self._finished = self._finished | failed, set()
         return finished, failed

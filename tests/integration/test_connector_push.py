@@ -84,6 +84,17 @@ def stack(monolithic, pdr_pair, tmp_path_factory):
         yield url, monolithic, p, d
 
 
+def _pdr_counters(url: str) -> dict[str, float]:
+    """The connector's counters (transport.connector_stats) from one instance's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for f in text_string_to_metric_families(text):
+        for s in f.samples:
+            if s.name.startswith("vllm:pdr_kv_") and s.name.endswith("_total"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
 class _PushCore:
     """Parity, prompt-token sources and concurrency: run for every transport class below."""
 
@@ -110,7 +121,6 @@ class _PushCore:
         assert after_d["external_kv_transfer"] - before_d["external_kv_transfer"] == n
         assert after_p["local_compute"] - before_p["local_compute"] == n
 
-
     def test_pdr_push_concurrent(self, stack, sources):
         url, mono, p, d = stack
         same = unique(LONG)  # identical prompts at once (seen to hang NixlPushConnector, PROTOCOLS.md 3)
@@ -122,6 +132,28 @@ class _PushCore:
                                 prompts, timeout=300))
         assert got == refs
         assert sources(d.url)["local_compute"] == before_d["local_compute"]
+
+    def test_pdr_transfer_stats_reach_metrics_on_both_sides(self, stack):
+        """The workers' transfer stats travel through vLLM's KVConnectorStats path to each front end's
+        /metrics: after a disaggregated request P's sent bytes grew, and P's sent and D's received
+        totals (bytes and transfers) agree (they reach /metrics asynchronously: wait for them)."""
+        url, mono, p, d = stack
+        before_p = _pdr_counters(p.url)
+        assert "vllm:pdr_kv_sent_bytes_total" in before_p, "the connector's metrics are not registered"
+        b = body_for("completions", unique(LONG), False)
+        assert call(url, "completions", b)[0] == call(mono.url, "completions", b)[0]
+        t0 = time.monotonic()
+        while True:
+            cp, cd = _pdr_counters(p.url), _pdr_counters(d.url)
+            grew = cp["vllm:pdr_kv_sent_bytes_total"] > before_p["vllm:pdr_kv_sent_bytes_total"]
+            if grew and cp["vllm:pdr_kv_sent_bytes_total"] == cd["vllm:pdr_kv_received_bytes_total"]:
+                break
+            assert time.monotonic() - t0 < 30, f"P {cp} / D {cd} (P before {before_p})"
+            time.sleep(0.5)
+        assert cp["vllm:pdr_kv_sent_bytes_total"] > 0
+        assert cp["vllm:pdr_kv_sent_transfers_total"] == cd["vllm:pdr_kv_received_transfers_total"] > 0
+        assert cp["vllm:pdr_kv_descriptors_total"] >= cp["vllm:pdr_kv_sent_transfers_total"]
+        assert cd["vllm:pdr_kv_sent_bytes_total"] == 0 and cp["vllm:pdr_kv_received_bytes_total"] == 0
 
 
 def _gauge(url: str, name: str) -> float:

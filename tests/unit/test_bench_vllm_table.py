@@ -29,3 +29,17 @@ def test_missing_mono_gives_na_and_summary_lists_failures():
     text = summary(res)
     assert "n/a" in text.splitlines()[2]
     assert "push@300 NO" in text and "FAILED push: boom" in text and "local_compute=0" in text
+
+
+def test_ratios_to_another_reference_setup():
+    points = [_point("pdr", 20.0), _point("push", 30.0), _point("pull", 10.0)]
+    lines = table(points, reference="pdr").splitlines()
+    assert "TTFT p50 / (e)" in lines[0]
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in lines[2:]}
+    assert rows[LABELS["pdr"]][10] == "1.00x"
+    assert rows[LABELS["push"]][10] == "1.50x" and rows[LABELS["pull"]][10] == "0.50x"
+    res = {"points": points, "checks": {}, "sources": {}, "startup_s": {}, "errors": {},
+           "connector": {"pdr": {"prefill": {"vllm:pdr_kv_sent_bytes_total": 4096.0},
+                                 "decode": {"vllm:pdr_kv_received_bytes_total": 4096.0}}}}
+    text = summary(res, "pdr")
+    assert "pdr_kv_sent_bytes_total=4096" in text and "pdr_kv_received_bytes_total=4096" in text
