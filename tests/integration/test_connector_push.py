@@ -304,15 +304,18 @@ class TestPdrPushDecodeLimits:
         dbody = body_for("completions", prompt, True) | {"kv_transfer_params": {
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": s.engine_id,
             "remote_host": s.kv_host, "remote_port": s.kv_port, "remote_request_id": rid, "tp_size": 1}}
+        # The P leg first: P then holds the finished prefill's blocks for the push (600 s lease),
+        # and the busy request only has to outlast the few steps until the D leg is queued (on a
+        # loaded machine a P leg sent after it could take longer than its 2,000 tokens).
+        r = httpx.post(p.url + "/v1/completions", json=pbody, headers={"X-Request-Id": rid}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert _gauge(p.url, "vllm:kv_cache_usage_perc") > 0, "P must hold the finished prefill's blocks"
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(httpx.post, d.url + "/v1/completions", json=busy, timeout=600)
             t0 = time.monotonic()
             while _gauge(d.url, "vllm:num_requests_running") < 1:
                 assert time.monotonic() - t0 < 60 and not fut.done(), "the busy request did not start"
                 time.sleep(0.05)
-            r = httpx.post(p.url + "/v1/completions", json=pbody, headers={"X-Request-Id": rid}, timeout=120)
-            assert r.status_code == 200, r.text
-            assert _gauge(p.url, "vllm:kv_cache_usage_perc") > 0, "P must hold the finished prefill's blocks"
             host, port = d.url.removeprefix("http://").split(":")
             raw = json.dumps(dbody).encode()
             with socket.create_connection((host, int(port))) as sock:
