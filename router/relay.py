@@ -166,6 +166,15 @@ async def whole_body(outcome: Outcome, job: Job, tally: Tally) -> bytes:
     return body
 
 
+def token_events(chunk: bytes, quiet: int) -> tuple[int, bool]:
+    """(token events in `chunk`, whether it ends with [DONE]); `quiet` usage-only events
+    in it are not tokens either. An SSE event starts a line and JSON escapes newlines, so
+    the pattern cannot match inside an event."""
+    events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ") - quiet
+    done = DONE in chunk[-16:]
+    return events - done, done
+
+
 async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish) -> AsyncIterator[bytes]:
     """Yield the decode stream to the client. `finish(tally)` runs exactly once at the end."""
     stream = outcome.stream
@@ -183,11 +192,8 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
             if b"usage" in chunk or pending:
                 chunk, pending, quiet = await _rewrite_usage(pending + chunk, outcome, tally, fix, strip)
             if chunk:
-                # an SSE event starts a line; JSON escapes newlines, so this cannot match inside one
-                events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ") - quiet
-                if DONE in chunk[-16:]:
-                    seen_done = True
-                    events -= 1
+                events, done = token_events(chunk, quiet)
+                seen_done = seen_done or done
                 tally.tick(time.perf_counter(), t0, itl_hist, events)
                 yield chunk
             try:
@@ -238,10 +244,8 @@ async def pump(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, write
             if pending or b"usage" in chunk:
                 chunk, pending, quiet = await _rewrite_usage(pending + chunk, outcome, tally, fix, strip)
             if chunk:
-                events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ") - quiet
-                if DONE in chunk[-16:]:
-                    seen_done = True
-                    events -= 1
+                events, done = token_events(chunk, quiet)
+                seen_done = seen_done or done
                 tally.tick(clock(), t0, itl_hist, events)
                 write(chunk)
                 if flow.write_paused:

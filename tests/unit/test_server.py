@@ -293,3 +293,35 @@ async def test_a_bug_is_an_openai_shaped_500_and_the_connection_survives(tiny_mo
         status, _, body = await _response(reader)  # same keep-alive connection
         assert status == 200
         writer.close()
+
+
+async def test_without_uvicorns_hooks_the_asgi_path_serves_the_same_answers(tiny_model_path, monkeypatch):
+    """Another uvicorn (no protocol hooks): `uvicorn_config` falls back to plain ASGI serving,
+    and RouterASGI + `relay.stream_body` answer as the server's own path does."""
+    import router.server
+
+    monkeypatch.setattr(router.server, "_HOOKS_PRESENT", False)
+    hot_calls = []
+    real_hot = RouterASGI._hot
+
+    async def counting_hot(self, *a, **kw):
+        hot_calls.append(a[-1])
+        return await real_hot(self, *a, **kw)
+
+    monkeypatch.setattr(RouterASGI, "_hot", counting_hot)
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        reader, writer = await _open(url)
+        for prompt in (SHORT, LONG):  # direct route and disaggregated (usage rewritten)
+            writer.write(_post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 3,
+                                                   "stream": True,
+                                                   "stream_options": {"include_usage": True}}))
+            status, headers, body = await _response(reader)
+            assert status == 200 and headers["transfer-encoding"] == "chunked"
+            events = sse_events(body.decode())
+            assert events[-1] == "[DONE]" and len(events) == 5  # 3 tokens, usage, [DONE]
+            assert events[-2]["usage"]["completion_tokens"] == 3 and not events[-2]["choices"]
+        writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 2}))
+        status, headers, body = await _response(reader)
+        assert status == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 2
+        writer.close()
+    assert hot_calls == ["completions"] * 3
