@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
+from random import getrandbits
 
 import orjson
 from fastapi import APIRouter, Request
@@ -95,7 +95,10 @@ async def chat_completions(request: Request) -> Response:
     return await handle(request.app.state.pdr, request, "chat", "/v1/chat/completions")
 
 
-async def handle(st: AppState, request: Request, kind: str, path: str):
+async def handle(st: AppState, request: Request, kind: str, path: str, gone=None):
+    """One hot request. `gone`: None under ASGI (a watcher task notices the client leaving
+    during dispatch); the router's own server passes a function that says whether the
+    client left, and cancels this task itself when it does (no watcher task per request)."""
     s = st.settings
     m = st.metrics
     rid = None
@@ -107,7 +110,7 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
         if s.api_key is not None and request.headers.get("authorization") != f"Bearer {s.api_key}":
             raise Unauthorized("missing or wrong API key (Authorization: Bearer ...)")
         client_rid = request.headers.get("x-request-id")
-        rid = check_request_id(client_rid) if client_rid else uuid.uuid4().hex
+        rid = check_request_id(client_rid) if client_rid else f"{getrandbits(128):032x}"
         if s.max_inflight and st.in_flight >= s.max_inflight:
             raise Overloaded(f"router at its limit of {s.max_inflight} requests in flight; retry shortly")
         st.in_flight += 1
@@ -145,7 +148,15 @@ async def handle(st: AppState, request: Request, kind: str, path: str):
         job.route = route
         m.routing.labels(route, reason).inc()
         dispatcher = st.dispatcher if route == DISAGGREGATED else st.direct
-        outcome = await _watched(request, dispatcher.run(job))
+        outcome = await (dispatcher.run(job) if gone is not None else _watched(request, dispatcher.run(job)))
+    except asyncio.CancelledError:
+        if gone is None or not gone():
+            if admitted:
+                st.in_flight -= 1
+                m.in_flight_total.dec()
+            raise
+        _finish(st, job, route, Tally(), "cancelled", None, admitted)
+        raise
     except ClientGone:
         _finish(st, job, route, Tally(), "cancelled", None, admitted)
         return Response(status_code=499)

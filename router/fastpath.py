@@ -9,7 +9,7 @@ client's disconnect and cancels it, which closes both upstream legs (vLLM then a
 
 `pd-router serve` (and the tests) go one step further: router/server.py answers these two
 endpoints inside uvicorn's HTTP protocol, below ASGI, writing each streamed chunk straight
-to the socket (`relay.pump`). This ASGI path stays for hosting the app in any ASGI server.
+to the socket from the engine connection's callback (`relay.splice`). This ASGI path stays for hosting the app in any ASGI server.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class RelayResponse:
 
     `args` are (outcome, job, tally, itl_hist, finish): served as ASGI through the
     `relay.stream_body` generator, or by the router's own server (router/server.py) through
-    `relay.pump`, which writes each chunk straight to the client's transport.
+    `relay.splice`, which writes each chunk straight to the client's transport.
     """
 
     __slots__ = ("args", "raw_headers")

@@ -81,6 +81,15 @@ class Metrics:
         self.slo_requests = Counter("pd_router_slo_requests_total",
                                     "Finished successful requests considered for goodput.", ["route"], registry=r)
 
+        # Children of metrics whose labels come from small fixed sets are memoised: a request
+        # looks up about a dozen of them, and prometheus_client's labels() takes a lock and
+        # rebuilds the key each time. (in_flight and breaker_open are per engine and removed
+        # with it: not memoised.)
+        for metric in (self.requests, self.routing, self.ttft, self.itl, self.e2e, self.prefill_leg, self.handoff,
+                       self.prompt_tokens, self.prompt_tokens_hist, self.output_tokens, self.errors, self.orphans,
+                       self.retries, self.goodput, self.slo_requests):
+            _memoise_labels(metric)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -90,3 +99,18 @@ class Metrics:
                 metric.remove(role, url)
             except KeyError:
                 pass
+
+
+def _memoise_labels(metric) -> None:
+    cache: dict = {}
+    labels = metric.labels
+
+    def memo(*values, **kw):
+        if kw:
+            return labels(*values, **kw)
+        child = cache.get(values)
+        if child is None:
+            child = cache[values] = labels(*values)
+        return child
+
+    metric.labels = memo

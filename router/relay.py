@@ -8,6 +8,7 @@ which touches only the event that carries `usage`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from bisect import bisect_left
@@ -63,15 +64,25 @@ class Tally:
             self.chunks = 1
             events -= 1
             share = 0.0
+            if not events:
+                self._last = now
+                return
         else:
             share = (now - self._last) / events
-        if events:
-            self._observe(itl_hist, share, events)
-            self.gaps += share * events
-            if share > self.max_gap:
-                self.max_gap = share
-            self.chunks += events
         self._last = now
+        self.gaps += share * events
+        if share > self.max_gap:
+            self.max_gap = share
+        self.chunks += events
+        counts = self._counts
+        if self._itl is itl_hist and counts is not None:  # the batched histogram, inlined
+            counts[bisect_left(itl_hist._upper_bounds, share)] += events
+            self._sum += share * events
+            self._pending += events
+            if self._pending >= ITL_FLUSH:
+                self.flush_itl()
+        else:
+            self._observe(itl_hist, share, events)
 
     def _observe(self, hist, value: float, n: int) -> None:
         if self._itl is not hist:
@@ -124,6 +135,13 @@ def ask_usage(body: dict) -> tuple[dict, bool]:
     return {**body, "stream_options": so}, True
 
 
+def _details_of(doc) -> tuple[bool, object]:
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    if not isinstance(usage, dict):
+        return False, None
+    return True, usage.get("prompt_tokens_details")
+
+
 async def prefill_details(outcome: Outcome) -> tuple[bool, object]:
     """(known, P's usage.prompt_tokens_details) for disaggregated requests."""
     if outcome.prefill_reply is None:
@@ -132,10 +150,20 @@ async def prefill_details(outcome: Outcome) -> tuple[bool, object]:
         doc = await outcome.prefill_reply
     except BaseException:  # noqa: BLE001 - P failing after D streamed does not break the answer
         return False, None
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    if not isinstance(usage, dict):
-        return False, None
-    return True, usage.get("prompt_tokens_details")
+    return _details_of(doc)
+
+
+def prefill_details_now(outcome: Outcome) -> tuple[bool, bool, object]:
+    """(ready, known, details): `prefill_details` without waiting; ready is False while P's
+    answer is still outstanding (push: D can finish a short answer before P's reply lands)."""
+    fut = outcome.prefill_reply
+    if fut is None:
+        return True, False, None
+    if not fut.done():
+        return False, False, None
+    if fut.cancelled() or fut.exception() is not None:
+        return True, False, None
+    return (True, *_details_of(fut.result()))
 
 
 def fix_usage_doc(doc: dict, details: object) -> bool:
@@ -190,7 +218,8 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
         while True:
             quiet = 0  # events that are not tokens: a usage-only event, [DONE]
             if b"usage" in chunk or pending:
-                chunk, pending, quiet = await _rewrite_usage(pending + chunk, outcome, tally, fix, strip)
+                known, details = await prefill_details(outcome) if fix else (False, None)
+                chunk, pending, quiet = rewrite_usage(pending + chunk, tally, known, details, strip)
             if chunk:
                 events, done = token_events(chunk, quiet)
                 seen_done = seen_done or done
@@ -218,46 +247,138 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
         finish(tally)
 
 
-async def pump(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, write, flow) -> None:
-    """`stream_body` as one flat loop for the router's own HTTP server (router/server.py).
+class _Splice:
+    """The per-stream state of `splice`; its `on_chunk` runs inside the engine connection's
+    `data_received` (router/h1.py), so a token chunk costs no task wake-up."""
 
-    Each decode chunk is awaited straight from aiohttp's reader and handed to `write` (a plain
-    function: the server frames it and writes it to the client's transport), so a chunk costs
-    one task wake-up instead of three async-generator hops and an ASGI send. `flow` is the
-    connection's flow control: while the client's socket buffer is full (`write_paused`) the
-    loop waits in `flow.drain()` and stops reading, so aiohttp pauses the engine's socket.
+    __slots__ = ("outcome", "stream", "tally", "itl", "write", "flow", "t0", "fix", "strip", "pending",
+                 "seen_done", "backlog", "details", "holds", "ended", "helpers", "clock")
+
+    def __init__(self, outcome: Outcome, job: Job, tally: Tally, itl_hist, write, flow, ended: asyncio.Future):
+        self.outcome = outcome
+        self.stream = outcome.stream
+        self.tally = tally
+        self.itl = itl_hist
+        self.write = write
+        self.flow = flow
+        self.t0 = job.t0
+        self.fix = outcome.prefill_reply is not None
+        self.strip = job.strip_usage
+        self.pending = b""  # only while an event carrying usage is split across reads
+        self.seen_done = False
+        self.backlog: list | None = None  # events held while waiting for P's usage details
+        self.details: tuple[bool, object] | None = None
+        self.holds = 0  # reasons the engine's socket is paused (client backpressure, P's usage)
+        self.ended = ended
+        self.helpers: list[asyncio.Task] = []
+        self.clock = time.perf_counter
+
+    def on_chunk(self, chunk: bytes) -> None:
+        """One read's worth of the engine's body (router/h1.py joins the HTTP chunks of a read)."""
+        if self.backlog is not None or self.pending or b"usage" in chunk:
+            self._slow(chunk)
+            return
+        events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ")  # token_events, inlined
+        if DONE in chunk[-16:]:
+            events -= 1
+            self.seen_done = True
+        self.tally.tick(self.clock(), self.t0, self.itl, events)
+        self.write(chunk)
+        if self.flow.write_paused:
+            self._hold()
+            self.helpers.append(asyncio.ensure_future(self._drain()))
+
+    def _slow(self, chunk: bytes) -> None:
+        """A chunk with usage in it (or after one): rewrite it, waiting for P's details if needed."""
+        if self.backlog is not None:
+            self.backlog.append(chunk)
+            return
+        details = self.details
+        if details is None and self.fix:
+            ready, known, det = prefill_details_now(self.outcome)
+            if not ready:  # rare: hold the stream until P's answer is in
+                self.backlog = [chunk]
+                self._hold()
+                self.helpers.append(asyncio.ensure_future(self._await_details()))
+                return
+            details = self.details = (known, det)
+        known, det = details or (False, None)
+        chunk, self.pending, quiet = rewrite_usage(self.pending + chunk, self.tally, known, det, self.strip)
+        if not chunk:
+            return
+        events, done = token_events(chunk, quiet)
+        if done:
+            self.seen_done = True
+        self.tally.tick(self.clock(), self.t0, self.itl, events)
+        self.write(chunk)
+        if self.flow.write_paused:
+            self._hold()
+            self.helpers.append(asyncio.ensure_future(self._drain()))
+
+    def on_end(self) -> None:
+        if self.backlog is not None:
+            self.backlog.append(None)
+            return
+        if self.ended.done():
+            return
+        if self.pending:
+            self.write(self.pending)
+            self.pending = b""
+        if self.seen_done:
+            self.ended.set_result(None)
+        else:
+            self.ended.set_exception(UpstreamError("decode instance ended the stream early (no [DONE])",
+                                                   stage="decode", code="truncated_stream"))
+
+    def on_error(self, err: UpstreamError) -> None:
+        if self.backlog is not None:
+            self.backlog.append(err)
+        elif not self.ended.done():
+            self.ended.set_exception(err)
+
+    def _hold(self) -> None:
+        if self.holds == 0:
+            self.stream.pause_reading()
+        self.holds += 1
+
+    def _release(self) -> None:
+        self.holds -= 1
+        if self.holds == 0:
+            self.stream.resume_reading()
+
+    async def _drain(self) -> None:
+        await self.flow.drain()
+        self._release()
+
+    async def _await_details(self) -> None:
+        self.details = await prefill_details(self.outcome)
+        items, self.backlog = self.backlog, None
+        for item in items:
+            if item is None:
+                self.on_end()
+            elif isinstance(item, UpstreamError):
+                self.on_error(item)
+            else:
+                self.on_chunk(item)
+        self._release()
+
+
+async def splice(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, write, flow) -> None:
+    """Relay the decode stream for the router's own HTTP server (router/server.py).
+
+    Each decode chunk is handed to `write` (the server frames it and writes it to the
+    client's transport) from the engine connection's `data_received` callback: no task
+    wakes up per token. This coroutine only waits for the end. `flow` is the client
+    connection's flow control: while the client's socket buffer is full (`write_paused`)
+    the engine's socket is paused until `flow.drain()` returns.
     Same semantics as `stream_body`: usage rewrite, Tally, the error event, `finish` once.
     """
-    stream = outcome.stream
-    assert stream is not None
-    fix = outcome.prefill_reply is not None
-    strip = job.strip_usage
-    pending = b""
-    seen_done = False
-    t0 = job.t0
-    clock = time.perf_counter
-    read = stream.start()
+    ended = asyncio.get_running_loop().create_future()
+    sp = _Splice(outcome, job, tally, itl_hist, write, flow, ended)
     try:
-        chunk = outcome.body
-        while True:
-            quiet = 0
-            if pending or b"usage" in chunk:
-                chunk, pending, quiet = await _rewrite_usage(pending + chunk, outcome, tally, fix, strip)
-            if chunk:
-                events, done = token_events(chunk, quiet)
-                seen_done = seen_done or done
-                tally.tick(clock(), t0, itl_hist, events)
-                write(chunk)
-                if flow.write_paused:
-                    await flow.drain()
-            chunk = await read()
-            if not chunk:
-                break
-        if pending:
-            write(pending)
-        if not seen_done:
-            raise UpstreamError("decode instance ended the stream early (no [DONE])", stage="decode",
-                                code="truncated_stream")
+        sp.on_chunk(outcome.body)
+        outcome.stream.attach(sp.on_chunk, sp.on_end, sp.on_error)
+        await ended
     except RouterError as exc:
         tally.outcome = "timeout" if exc.status == 504 else "upstream_error"
         tally.error = exc
@@ -266,16 +387,19 @@ async def pump(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, write
         tally.outcome = "cancelled"
         raise
     finally:
+        for task in sp.helpers:
+            task.cancel()
         await outcome.close()
         tally.flush_itl()
         finish(tally)
 
 
-async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool,
-                         strip: bool) -> tuple[bytes, bytes, int]:
+def rewrite_usage(data: bytes, tally: Tally, known: bool, details: object,
+                  strip: bool) -> tuple[bytes, bytes, int]:
     """Rewrite complete SSE events that carry usage; keep an incomplete tail pending.
 
     Returns (bytes to send, pending tail, usage-only events kept in the bytes sent).
+    `known`/`details`: P's prompt_tokens_details, put into D's usage when known.
     `strip`: drop usage-only events (the router asked for them, the client did not).
     """
     cut = data.rfind(b"\n\n")
@@ -303,9 +427,7 @@ async def _rewrite_usage(data: bytes, outcome: Outcome, tally: Tally, fix: bool,
                     if strip:
                         continue
                     quiet += 1
-                if fix:
-                    known, details = await prefill_details(outcome)
-                    if known and fix_usage_doc(doc, details):
-                        event = b"data: " + orjson.dumps(doc)
+                if known and fix_usage_doc(doc, details):
+                    event = b"data: " + orjson.dumps(doc)
         out.append(event)
     return b"\n\n".join(out), rest, quiet

@@ -7,11 +7,12 @@ graceful drain. Every request that is not `POST /v1/completions` or
 `POST /v1/chat/completions` goes to the FastAPI app as before. The hot requests run
 `api.handle` directly and write their answer straight to the connection's transport:
 
-- a streamed answer is chunk-framed and written by `relay.pump`, one flat loop per stream
-  (no async-generator layers, no ASGI message dict, no `send` coroutine per chunk);
-- backpressure: while the client's socket buffer is above the high-water mark the loop
-  waits in `flow.drain()` and stops reading the engine (aiohttp then pauses the engine's
-  socket); a large request body pauses reading from the client (uvicorn's flow control);
+- a streamed answer is chunk-framed and written by `relay.splice` from the engine
+  connection's `data_received` (router/h1.py): no task wake-up, no async-generator layers,
+  no ASGI message dict, no `send` coroutine per chunk;
+- backpressure: while the client's socket buffer is above the high-water mark the engine's
+  socket is paused until `flow.drain()` returns; a large request body pauses reading from
+  the client (uvicorn's flow control);
 - the client closing its connection cancels the request's task at once (from
   `connection_lost`), which closes both upstream legs so the engines abort the request;
 - body size limit, bad JSON and every other error: the same OpenAI-shaped answers as the
@@ -32,7 +33,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from router.errors import error_body
 from router.fastpath import HOT_PATHS, RelayResponse
-from router.relay import pump
+from router.relay import splice
 
 log = logging.getLogger("pd_router")
 _INTERNAL = orjson.dumps(error_body("internal router error", "internal_error"))
@@ -66,14 +67,14 @@ class RouterHttpProtocol(HttpToolsProtocol):
         self.tasks.add(task)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        task = self._hot_task  # set only while a stream is relayed
+        task = self._hot_task  # set while api.handle runs and while a stream is relayed
         super().connection_lost(exc)
         if task is not None and not task.done():
             self._hot_gone = True
             task.cancel()  # the client left mid-stream: close the upstream legs now
 
-    # Until the stream starts, `api.handle` itself notices a disconnect (its dispatch is
-    # watched through `receive`) and answers 499 after counting the request as cancelled.
+    def _gone(self) -> bool:
+        return self._hot_gone
 
     # -- the hot request ---------------------------------------------------------------------
 
@@ -81,7 +82,15 @@ class RouterHttpProtocol(HttpToolsProtocol):
         scope = cycle.scope
         started = False
         try:
-            response = await app._handle(app.app.state.pdr, Request(scope, cycle.receive), kind, scope["path"])
+            # While `api.handle` runs, the client leaving cancels this task (connection_lost);
+            # `handle` then counts the request as cancelled and closes the legs it opened.
+            self._hot_gone = False
+            self._hot_task = asyncio.current_task()
+            try:
+                response = await app._handle(app.app.state.pdr, Request(scope, cycle.receive), kind, scope["path"],
+                                             self._gone)
+            finally:
+                self._hot_task = None
             if cycle.disconnected:
                 if isinstance(response, RelayResponse):
                     await self._abandon(response)
@@ -144,7 +153,7 @@ class RouterHttpProtocol(HttpToolsProtocol):
         self._hot_gone = False
         self._hot_task = asyncio.current_task()
         try:
-            await pump(*response.args, write, self.flow)
+            await splice(*response.args, write, self.flow)
         finally:
             self._hot_task = None
         transport.write(_LAST_CHUNK)

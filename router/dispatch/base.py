@@ -14,7 +14,8 @@ from router.metrics import Metrics
 from router.policies import Policy
 from router.registry import Instance, Registry
 from router.settings import Settings
-from router.upstream import Stream, Upstream
+from router.h1 import Stream
+from router.upstream import Upstream
 
 # The six fields pull and push prefill legs carry (PROTOCOLS.md sections 2 and 3).
 PREFILL_KV_PARAMS = {

@@ -1,5 +1,5 @@
 """The router's own serving of the hot endpoints (router/server.py) and its relay loop
-(`relay.pump`), on raw sockets: keep-alive, pipelining, chunked framing, disconnects,
+(`relay.splice`), on raw sockets: keep-alive, pipelining, chunked framing, disconnects,
 backpressure, request-size limits and error shapes."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from router.dispatch.base import Job, Outcome
 from router.fastpath import RouterASGI
 from router.metrics import Metrics
-from router.relay import Tally, pump
+from router.relay import Tally, splice
 from tests.unit.routerkit import LONG, SHORT, completion_legs, sse_events, topology
 
 
@@ -167,24 +167,42 @@ async def test_disconnect_mid_stream_closes_decode_leg_raw(tiny_model_path):
         assert len(completion_legs(ds[0])) == 1
 
 
-# -- relay.pump on its own -------------------------------------------------------------------
+# -- relay.splice on its own -----------------------------------------------------------------
 
 
 class _FakeStream:
-    """Stands in for upstream.Stream: hands out queued chunks, records reads and close."""
+    """Stands in for h1.Stream: delivers queued chunks by callback, one per loop turn, while
+    not paused; records pauses and close."""
 
-    def __init__(self, chunks: list[bytes]):
+    def __init__(self, chunks: list[bytes], end: bool = True):
         self.chunks = list(chunks)
+        self.end = end
         self.reads = 0
         self.closed = False
+        self.paused = False
+        self.cbs = None
 
-    def start(self):
-        return self._read
+    def attach(self, on_chunk, on_end, on_error) -> None:
+        self.cbs = (on_chunk, on_end, on_error)
+        asyncio.get_running_loop().call_soon(self._tick)
 
-    async def _read(self) -> bytes:
-        self.reads += 1
-        await asyncio.sleep(0)
-        return self.chunks.pop(0) if self.chunks else b""
+    def _tick(self) -> None:
+        if self.closed or self.paused:
+            return
+        on_chunk, on_end, _ = self.cbs
+        if self.chunks:
+            self.reads += 1
+            on_chunk(self.chunks.pop(0))
+            asyncio.get_running_loop().call_soon(self._tick)
+        elif self.end:
+            on_end()
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+        asyncio.get_running_loop().call_soon(self._tick)
 
     async def aclose(self) -> None:
         self.closed = True
@@ -211,7 +229,7 @@ def _job(strip: bool = False) -> Job:
                model="tiny", strip_usage=strip)
 
 
-async def test_pump_backpressure_stops_reading_until_drained():
+async def test_splice_backpressure_stops_reading_until_drained():
     stream = _FakeStream([_event(1), _event(2), b"data: [DONE]\n\n"])
     outcome = Outcome(decode=None, body=_event(0), stream=stream)
     flow, written, done = _Flow(), [], []
@@ -221,7 +239,7 @@ async def test_pump_backpressure_stops_reading_until_drained():
         written.append(chunk)
         flow.write_paused = True  # the client's socket buffer is full after every write
 
-    task = asyncio.create_task(pump(outcome, _job(), Tally(), hist, done.append, write, flow))
+    task = asyncio.create_task(splice(outcome, _job(), Tally(), hist, done.append, write, flow))
     for _ in range(20):
         await asyncio.sleep(0)
     assert written == [_event(0)] and stream.reads == 0  # waiting for the client, not reading D
@@ -233,7 +251,7 @@ async def test_pump_backpressure_stops_reading_until_drained():
     assert done[0].chunks == 3  # three token events, [DONE] is not one
 
 
-async def test_pump_usage_rewrite_strip_itl_batch_and_truncation():
+async def test_splice_usage_rewrite_strip_itl_batch_and_truncation():
     usage = {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 5}}
     split = _event(9, usage, choices=False)
     stream = _FakeStream([_event(1), split[:-15], split[-15:] + b"data: [DONE]\n\n"])
@@ -241,7 +259,7 @@ async def test_pump_usage_rewrite_strip_itl_batch_and_truncation():
     flow, written, done = _Flow(), [], []
     metrics = Metrics()
     hist = metrics.itl.labels("direct", "none")
-    await pump(outcome, _job(strip=True), Tally(), hist, done.append, written.append, flow)
+    await splice(outcome, _job(strip=True), Tally(), hist, done.append, written.append, flow)
     text = b"".join(written)
     assert b"usage" not in text and text.endswith(b"data: [DONE]\n\n")  # the client did not ask for usage
     t = done[0]
@@ -253,21 +271,16 @@ async def test_pump_usage_rewrite_strip_itl_batch_and_truncation():
     stream = _FakeStream([_event(1)])
     done.clear()
     written.clear()
-    await pump(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(), hist, done.append,
+    await splice(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(), hist, done.append,
                written.append, flow)
     assert b'"truncated_stream"' in written[-1] and written[-1].endswith(b"data: [DONE]\n\n")
     assert done[0].outcome == "upstream_error" and stream.closed
 
 
-async def test_pump_cancelled_closes_stream_and_finishes():
-    class Hang(_FakeStream):
-        async def _read(self) -> bytes:
-            await asyncio.sleep(60)
-            return b""
-
-    stream = Hang([])
+async def test_splice_cancelled_closes_stream_and_finishes():
+    stream = _FakeStream([], end=False)  # the engine goes quiet
     done: list = []
-    task = asyncio.create_task(pump(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(),
+    task = asyncio.create_task(splice(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(),
                                     Metrics().itl.labels("direct", "none"), done.append, lambda b: None, _Flow()))
     await asyncio.sleep(0.01)
     task.cancel()
@@ -325,3 +338,24 @@ async def test_without_uvicorns_hooks_the_asgi_path_serves_the_same_answers(tiny
         assert status == 200 and orjson.loads(body)["usage"]["completion_tokens"] == 2
         writer.close()
     assert hot_calls == ["completions"] * 3
+
+
+async def test_splice_holds_the_stream_until_the_prefill_usage_is_in():
+    """Push: D can reach its usage event before P's answer is in. The stream is paused and
+    nothing after that event is written until P's details can be put into it; order kept."""
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "prompt_tokens_details": None}
+    loop = asyncio.get_running_loop()
+    p_reply = loop.create_future()
+    stream = _FakeStream([_event(1, usage), _event(2), b"data: [DONE]\n\n"])
+    outcome = Outcome(decode=None, body=_event(0), stream=stream, prefill_reply=p_reply)
+    written, done = [], []
+    task = asyncio.create_task(splice(outcome, _job(), Tally(), Metrics().itl.labels("direct", "none"), done.append,
+                                      written.append, _Flow()))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert written == [_event(0)] and stream.paused and not task.done()
+    p_reply.set_result({"usage": {"prompt_tokens": 5, "prompt_tokens_details": {"cached_tokens": 3}}})
+    await asyncio.wait_for(task, 5)
+    text = b"".join(written)
+    assert text.index(b'"cached_tokens":3') < text.index(b" t2") < text.index(b"[DONE]")
+    assert done[0].outcome == "ok" and done[0].output_tokens == 2 and stream.closed
