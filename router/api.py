@@ -95,10 +95,11 @@ async def chat_completions(request: Request) -> Response:
     return await handle(request.app.state.pdr, request, "chat", "/v1/chat/completions")
 
 
-async def handle(st: AppState, request: Request, kind: str, path: str, gone=None):
+async def handle(st: AppState, request: Request, kind: str, path: str, gone=None, body: bytes | None = None):
     """One hot request. `gone`: None under ASGI (a watcher task notices the client leaving
     during dispatch); the router's own server passes a function that says whether the
-    client left, and cancels this task itself when it does (no watcher task per request)."""
+    client left, and cancels this task itself when it does (no watcher task per request).
+    `body`: the whole request body when the server already has it (else it is read here)."""
     s = st.settings
     m = st.metrics
     rid = None
@@ -116,7 +117,12 @@ async def handle(st: AppState, request: Request, kind: str, path: str, gone=None
         st.in_flight += 1
         m.in_flight_total.inc()
         admitted = True
-        raw = await _read_body(request, s.max_body_bytes)
+        if body is None:
+            raw = await _read_body(request, s.max_body_bytes)
+        elif len(body) > s.max_body_bytes:
+            raise PayloadTooLarge(f"request body larger than {s.max_body_bytes} bytes")
+        else:
+            raw = body
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:

@@ -86,9 +86,12 @@ class RouterHttpProtocol(HttpToolsProtocol):
             # `handle` then counts the request as cancelled and closes the legs it opened.
             self._hot_gone = False
             self._hot_task = asyncio.current_task()
+            body = None
+            if not cycle.more_body:  # the whole body is in (the usual case): no receive() round
+                body, cycle.body = bytes(cycle.body), bytearray()
             try:
                 response = await app._handle(app.app.state.pdr, Request(scope, cycle.receive), kind, scope["path"],
-                                             self._gone)
+                                             self._gone, body)
             finally:
                 self._hot_task = None
             if cycle.disconnected:

@@ -1,0 +1,264 @@
+"""router/h1.py, the router's HTTP/1.1 client, against scripted raw-socket servers."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router import h1
+from router.errors import BadRequest, UpstreamError, UpstreamStatus, UpstreamTimeout
+from router.upstream import Upstream
+
+OK_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class Script:
+    """A raw TCP server; `handler(reader, writer, n)` serves the n-th connection."""
+
+    def __init__(self, handler):
+        self.handler = handler
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server = None
+
+    async def __aenter__(self):
+        async def serve(reader, writer):
+            self.connections += 1
+            try:
+                await self.handler(self, reader, writer, self.connections)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                pass
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc):
+        self.server.close()
+
+    async def read_request(self, reader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        body = await reader.readexactly(length) if length else b""
+        self.requests.append(head + body)
+        return head + body
+
+
+async def _stream(pool, port, **kw) -> h1.Stream:
+    return await h1.open_stream(pool, "POST", "127.0.0.1", port, "/v1/completions", b'{"x":1}',
+                                {"content-type": "application/json", "x-request-id": "r1"},
+                                timeout=kw.pop("timeout", 5), stage="decode", **kw)
+
+
+async def test_request_bytes_and_chunks_of_one_read_arrive_as_one_piece():
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)
+        # three HTTP chunks in one write: the relay must see them as one piece (one client write)
+        writer.write(OK_HEAD + chunk(b"data: 1\n\n") + chunk(b"data: 2\n\n") + chunk(b"data: 3\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with Script(handler) as s:
+        pool = h1.Pool()
+        st = await _stream(pool, s.port)
+        assert st.status == 200 and st.headers["content-type"] == "text/event-stream"
+        got, ended = [], asyncio.Event()
+        first = await st.first(5)
+        st.attach(got.append, ended.set, lambda e: pytest.fail(f"error {e}"))
+        await asyncio.wait_for(ended.wait(), 5)
+        assert first == b"data: 1\n\ndata: 2\n\ndata: 3\n\n" and got == [b"data: [DONE]\n\n"]
+        req = s.requests[0]
+        assert req.startswith(b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n" % s.port)
+        assert b"content-length: 7\r\n" in req and b"x-request-id: r1\r\n" in req and req.endswith(b'{"x":1}')
+        await st.aclose()
+        pool.close()
+
+
+async def test_keep_alive_reuses_one_connection_and_a_stale_one_is_retried():
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)
+        writer.write(OK_HEAD + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        if n == 1:  # keep-alive: a second request on the same connection, then the server times it out
+            await s.read_request(reader)
+            writer.write(OK_HEAD + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+            return  # closes the idle connection
+        await reader.read()
+
+    async with Script(handler) as s:
+        up = Upstream()
+        url = f"http://127.0.0.1:{s.port}/v1/completions"
+        for _ in range(2):
+            r = await up.request("POST", url, body=b"{}", headers={}, timeout=5)
+            assert r.status == 200 and r.body == b"data: [DONE]\n\n"
+        assert s.connections == 1 and up.pool.opened == 1
+        await asyncio.sleep(0.1)  # the server closed the pooled connection meanwhile
+        r = await up.request("POST", url, body=b"{}", headers={}, timeout=5)
+        assert r.status == 200 and s.connections == 2
+        await up.aclose()
+
+
+async def test_a_pooled_connection_closed_before_the_answer_is_retried_once():
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        if n == 1:
+            await s.read_request(reader)  # the second request arrives, then the connection drops unanswered
+            return
+        await reader.read()
+
+    async with Script(handler) as s:
+        up = Upstream()
+        url = f"http://127.0.0.1:{s.port}/x"
+        assert (await up.request("POST", url, body=b"{}", timeout=5)).body == b"ok"
+        assert (await up.request("POST", url, body=b"{}", timeout=5)).body == b"ok"
+        assert s.connections == 2 and len(s.requests) == 3
+        await up.aclose()
+
+
+async def test_a_new_connection_dropped_before_the_answer_is_an_error_not_a_retry():
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)  # then close without answering
+
+    async with Script(handler) as s:
+        with pytest.raises(UpstreamError) as e:
+            await _stream(h1.Pool(), s.port)
+        assert e.value.code == "connection_lost" and s.connections == 1
+
+
+async def test_body_until_eof_content_length_and_error_status():
+    async def handler(s, reader, writer, n):
+        req = await s.read_request(reader)
+        if b"/eof" in req:
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\nall of it")
+        else:
+            writer.write(b'HTTP/1.1 400 Bad Request\r\ncontent-length: 41\r\n\r\n{"error":{"message":"bad","type":"x"}}   ')
+        await writer.drain()
+
+    async with Script(handler) as s:
+        up = Upstream()
+        r = await up.request("GET", f"http://127.0.0.1:{s.port}/eof", timeout=5)
+        assert r.status == 200 and r.body == b"all of it"
+        assert s.requests[0].startswith(b"GET /eof HTTP/1.1\r\n") and b"content-length" not in s.requests[0]
+        with pytest.raises(UpstreamStatus) as e:
+            await up.open_stream(f"http://127.0.0.1:{s.port}/v1/completions", b"{}", {}, timeout=5, idle_timeout=5,
+                                 stage="decode")
+        assert e.value.engine_status == 400 and e.value.status == 400 and b'"bad"' in e.value.raw
+        await up.aclose()
+
+
+async def test_malformed_answer_truncated_stream_and_refused_connection():
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)
+        if n == 1:
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        else:
+            writer.write(OK_HEAD + chunk(b"data: 1\n\n"))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.transport.abort()  # cut mid-body
+        await writer.drain()
+
+    async with Script(handler) as s:
+        pool = h1.Pool()
+        with pytest.raises(UpstreamError) as e:
+            await _stream(pool, s.port)
+        assert e.value.code == "bad_response"
+        st = await _stream(pool, s.port)
+        errors, ended = [], asyncio.Event()
+        st.attach(lambda b: None, ended.set, lambda err: (errors.append(err), ended.set()))
+        await asyncio.wait_for(ended.wait(), 5)
+        assert errors and errors[0].code == "connection_lost"
+        await st.aclose()
+    with pytest.raises(UpstreamError) as e:
+        await _stream(h1.Pool(), s.port)
+    assert e.value.code == "connect_error"
+
+
+async def test_timeouts_head_first_byte_idle_and_deadline():
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)
+        if n == 1:
+            await asyncio.sleep(5)  # no answer at all
+        writer.write(OK_HEAD)
+        await writer.drain()
+        if n == 3:
+            writer.write(chunk(b"data: 1\n\n"))
+            await writer.drain()
+        while True:  # n == 4: a token every 50 ms, never ending
+            await asyncio.sleep(0.05)
+            if n == 4:
+                writer.write(chunk(b"data: t\n\n"))
+                await writer.drain()
+
+    async with Script(handler) as s:
+        pool = h1.Pool()
+        with pytest.raises(UpstreamTimeout, match="did not answer within 0.2s"):
+            await _stream(pool, s.port, timeout=0.2)
+        st = await _stream(pool, s.port)
+        with pytest.raises(UpstreamTimeout, match="sent no data within 0.2s"):
+            await st.first(0.2)
+        await st.aclose()
+        loop = asyncio.get_running_loop()
+        for idle, deadline, match in ((0.2, None, "idle for more than 0.2s"),
+                                      (10, loop.time() + 0.3, "request timeout reached")):
+            st = await _stream(pool, s.port)
+            st.set_limits(idle, deadline)
+            errors, ended = [], asyncio.Event()
+            st.attach(lambda b: None, ended.set, lambda err: (errors.append(err), ended.set()))
+            await asyncio.wait_for(ended.wait(), 5)
+            assert isinstance(errors[0], UpstreamTimeout) and match in errors[0].message
+            await st.aclose()
+        pool.close()
+
+
+async def test_pause_reading_holds_the_engine_and_aclose_drops_the_connection():
+    gone = asyncio.Event()
+
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)
+        writer.write(OK_HEAD)
+        try:
+            for i in range(1000):
+                writer.write(chunk(b"data: %d\n\n" % i))
+                await writer.drain()
+                await asyncio.sleep(0.001)
+        except ConnectionError:
+            pass
+        gone.set()
+
+    async with Script(handler) as s:
+        st = await _stream(h1.Pool(), s.port)
+        got = []
+        st.attach(got.append, lambda: None, lambda e: None)
+        await asyncio.sleep(0.05)
+        st.pause_reading()
+        await asyncio.sleep(0.02)
+        held = len(got)
+        await asyncio.sleep(0.1)
+        assert len(got) == held  # nothing delivered while paused
+        st.resume_reading()
+        await asyncio.sleep(0.05)
+        assert len(got) > held
+        await st.aclose()  # unfinished: the connection is closed, the server sees it
+        await asyncio.wait_for(gone.wait(), 5)
+
+
+async def test_header_values_with_line_breaks_are_refused():
+    with pytest.raises(BadRequest):
+        h1.request_head("POST", "/x", "h:1", {"authorization": "Bearer a\r\nx-evil: 1"}, 0)
