@@ -170,7 +170,7 @@ def serve(settings: Settings) -> int:
     from router.server import uvicorn_config
 
     setup_logging(settings.log_level, settings.log_format)
-    app = create_app(settings)
+    app = create_app(settings, freeze_gc=True)
     server = uvicorn.Server(uvicorn_config(app, settings))
     server.run()
     return 0

@@ -46,17 +46,22 @@ class AppState:
 
     def access_log(self, rid, route, prefill, decode, prompt_tokens, output_tokens, ttft, status, outcome, err,
                    e2e=None) -> None:
-        rec = {"request_id": rid, "route": route, "prefill": prefill, "decode": decode,
-               "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
-               "ttft_ms": round(ttft * 1000, 2) if ttft is not None else None,
-               "e2e_ms": round(e2e * 1000, 2) if e2e is not None else None,
-               "status": status, "outcome": outcome}
-        if err is not None:
-            rec["error"] = err.message[:300]
+        ttft_ms = round(ttft * 1000, 2) if ttft is not None else None
+        e2e_ms = round(e2e * 1000, 2) if e2e is not None else None
         if self.settings.log_format == "json":
+            rec = {"request_id": rid, "route": route, "prefill": prefill, "decode": decode,
+                   "prompt_tokens": prompt_tokens, "output_tokens": output_tokens, "ttft_ms": ttft_ms,
+                   "e2e_ms": e2e_ms, "status": status, "outcome": outcome}
+            if err is not None:
+                rec["error"] = err.message[:300]
             access.info(orjson.dumps(rec).decode())
-        else:
-            access.info(" ".join(f"{k}={_text(v)}" for k, v in rec.items()))
+            return
+        line = (f"request_id={_text(rid)} route={route} prefill={_text(prefill)} decode={_text(decode)} "
+                f"prompt_tokens={_text(prompt_tokens)} output_tokens={_text(output_tokens)} ttft_ms={_text(ttft_ms)} "
+                f"e2e_ms={_text(e2e_ms)} status={status} outcome={outcome}")
+        if err is not None:
+            line += f" error={_text(err.message[:300])}"
+        access.info(line)
 
 
 def _text(v) -> str:

@@ -64,6 +64,11 @@ class TokenCounter:
             self._loading = asyncio.get_running_loop().run_in_executor(self._pool, _load, self._source)
             self._loading.add_done_callback(self._loaded)
 
+    @property
+    def loading(self) -> asyncio.Future | None:
+        """The background load started by `preload` (None if none is running or needed)."""
+        return self._loading if self._tok is None else None
+
     def _loaded(self, fut: asyncio.Future) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self._tok = fut.result()
