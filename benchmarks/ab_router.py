@@ -2,8 +2,8 @@
 
 Both routers run at once (same fakes, same flags, both pinned to the router core); at every
 load point the runs go direct, A, B, B, A, direct (ABBA against drift; ABCCBA with a third build), so each build's
-numbers come from the same minutes. Router CPU is read from /proc/<pid>/schedstat
-(scheduler runtime, ns; not tick-sampled).
+numbers come from the same minutes. Router CPU is the scheduler runtime of all its threads
+(/proc/<pid>/task/*/schedstat, ns; not tick-sampled).
 
     python -m benchmarks.ab_router --a "python /tmp/base/run_router.py" --b "python -m router.cli" \
         --mode direct --concurrency 1,64,256 --duration 4
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -25,13 +26,20 @@ from benchmarks.bench_router import P_ENGINE_ID, D_ENGINE_ID, P_KV_PORT, ROUTER_
 
 
 def runtime_s(pid: int) -> float:
+    """Scheduler runtime (s) of every thread of `pid` and of its child processes: the tokenizer
+    pool's threads too (/proc/<pid>/schedstat alone is the main thread only)."""
     total = 0
     for p in [pid, *harness._children(pid)]:
         try:
-            with open(f"/proc/{p}/schedstat") as f:
-                total += int(f.read().split()[0])
+            tids = os.listdir(f"/proc/{p}/task")
         except OSError:
-            pass
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:
+                pass
     return total / 1e9
 
 
@@ -48,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--router-core", type=int, default=0)
     p.add_argument("--engine-core", type=int, default=1)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--unique-prompts", action="store_true", help="a new prompt per request (no tokenizer cache hits)")
     a = p.parse_args(argv)
     harness.raise_nofile()
     logdir = Path(tempfile.mkdtemp(prefix="ab-router-"))
@@ -74,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in [int(x) for x in a.concurrency.split(",") if x]:
             runs: dict = {"direct": [], **{k: [] for k in builds}}
             common = dict(concurrency=c, rate=None, duration=a.duration, warmup=a.warmup, prompt_chars=1000,
-                          max_tokens=64, model="tiny", core=a.engine_core)
+                          max_tokens=64, model="tiny", core=a.engine_core, unique=a.unique_prompts)
             names = list(builds)
             order = ["direct"] + (names + names[::-1]) * a.repeat + ["direct"]
             for who in order:

@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-us-per-char", type=float, default=20.0)
     p.add_argument("--itl-ms", type=float, default=10.0)
     p.add_argument("--model", default="tiny")
+    p.add_argument("--unique-prompts", action="store_true",
+                   help="a new prompt per request: the router tokenizes every one (no cache hits)")
     p.add_argument("--tokenizer", default=None,
                    help="HF tokenizer dir for the router (default: launch.tiny_model)")
     p.add_argument("--router-cmd", default=f"{shlex.quote(sys.executable)} -m router.cli",
@@ -123,7 +125,8 @@ def run_mode(mode: str, a: argparse.Namespace, fakes: harness.Proc, p_url: str, 
             common = dict(concurrency=value if kind == "closed" else None,
                           rate=value if kind == "open" else None, duration=a.duration,
                           warmup=a.warmup, prompt_chars=a.prompt_chars,
-                          max_tokens=a.max_tokens, model=a.model, core=a.engine_core)
+                          max_tokens=a.max_tokens, model=a.model, core=a.engine_core,
+                          unique=a.unique_prompts)
             direct = harness.run_load(d_url, watch={"fakes": fakes}, **common)
             routed = harness.run_load(target, watch=watch, **common)
             point = {"kind": kind, "concurrency": common["concurrency"], "rate": common["rate"],
@@ -163,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_s": a.warmup, "prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens,
         "prefill_us_per_char": a.prefill_us_per_char, "itl_ms": a.itl_ms,
         "router_core": a.router_core, "engine_core": a.engine_core, "router_cmd": a.router_cmd,
-        "tokenizer": tokenizer, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tokenizer": tokenizer, "unique_prompts": a.unique_prompts, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }, "modes": {}}
     try:
         for mode in a.modes:

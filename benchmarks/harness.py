@@ -163,13 +163,15 @@ def start_router(argv: list[str], *, core: int | None, logdir: Path, name: str,
 
 def run_load(url: str, *, concurrency: int | None, rate: float | None, duration: float,
              warmup: float, prompt_chars: int, max_tokens: int, model: str, core: int | None,
-             watch: dict[str, Proc]) -> dict:
+             watch: dict[str, Proc], unique: bool = False) -> dict:
     """One load-generator process against ``url``; adds the CPU seconds each watched process
     spent during the run (``cpu_s``) to the load generator's JSON summary."""
     cmd = [sys.executable, "-m", "benchmarks.loadgen", "--url", url, "--duration", str(duration),
            "--warmup", str(warmup), "--prompt-chars", str(prompt_chars),
            "--max-tokens", str(max_tokens), "--model", model]
     cmd += ["--rate", str(rate)] if rate else ["--concurrency", str(concurrency)]
+    if unique:
+        cmd.append("--unique-prompts")
     before = {k: p.cpu() for k, p in watch.items()}
     t0 = time.monotonic()
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import resource
 import socket
@@ -126,25 +127,32 @@ class _Conn(asyncio.Protocol):
 class LoadGen:
     def __init__(self, url: str, *, prompt_chars: int = 1000, max_tokens: int = 64,
                  model: str = "tiny", chat: bool = False, n_bodies: int = 512, seed: int = 0,
-                 timeout: float = 60.0):
+                 timeout: float = 60.0, unique: bool = False):
         u = urlsplit(url)
         self.host, self.port = u.hostname, u.port or 80
         self.max_tokens, self.timeout = max_tokens, timeout
         path = "/v1/chat/completions" if chat else "/v1/completions"
         rng = random.Random(seed)
         filler = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(prompt_chars))
-        self.requests = []
-        for i in range(n_bodies):  # distinct prompts: real engines would prefix-cache repeats
-            text = (f"{i:06d} " + filler)[:prompt_chars]
-            body = {"model": model, "max_tokens": max_tokens, "stream": True,
-                    "stream_options": {"include_usage": True}}
-            body.update({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
-            raw = json.dumps(body).encode()
-            self.requests.append(b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json"
-                                 b"\r\ncontent-length: %d\r\n\r\n%s" % (
-                                     path.encode(), self.host.encode(), self.port, len(raw), raw))
+        self._filler, self._model, self._chat, self._path = filler, model, chat, path
+        self._prompt_chars = prompt_chars
+        # unique: every request gets a prompt never sent before (a tokenizer cache cannot hit)
+        self.unique = unique
+        self._salt = os.urandom(4).hex()  # differs per load-generator process, so runs never repeat
+        self.requests = [self._request(f"{i:06d} ") for i in range(n_bodies)]
         self._next = 0
         self.idle: list[_Conn] = []
+
+    def _request(self, prefix: str) -> bytes:
+        # distinct prompts: real engines would prefix-cache repeats
+        text = (prefix + self._filler)[:self._prompt_chars]
+        body = {"model": self._model, "max_tokens": self.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}}
+        body.update({"messages": [{"role": "user", "content": text}]} if self._chat else {"prompt": text})
+        raw = json.dumps(body).encode()
+        return (b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json"
+                b"\r\ncontent-length: %d\r\n\r\n%s" % (
+                    self._path.encode(), self.host.encode(), self.port, len(raw), raw))
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -153,7 +161,10 @@ class LoadGen:
 
     async def one(self, t_start: float | None = None) -> Result:
         res = Result(time.perf_counter() if t_start is None else t_start)
-        req = self.requests[self._next % len(self.requests)]
+        if self.unique:
+            req = self._request(f"{self._salt}-{self._next:09d} ")
+        else:
+            req = self.requests[self._next % len(self.requests)]
         self._next += 1
         try:
             while self.idle and self.idle[-1].closed:
@@ -251,7 +262,7 @@ def summarize(results: list[Result], t_begin: float, warmup: float, duration: fl
 
 async def run(args: argparse.Namespace) -> dict:
     gen = LoadGen(args.url, prompt_chars=args.prompt_chars, max_tokens=args.max_tokens,
-                  model=args.model, chat=args.chat, timeout=args.request_timeout)
+                  model=args.model, chat=args.chat, timeout=args.request_timeout, unique=args.unique_prompts)
     cpu0, t_begin = time.process_time(), time.perf_counter()
     if args.rate:
         results = await gen.open_loop(args.rate, args.duration, poisson=args.poisson)
@@ -279,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default="tiny")
     p.add_argument("--chat", action="store_true")
     p.add_argument("--request-timeout", type=float, default=60.0)
+    p.add_argument("--unique-prompts", action="store_true",
+                   help="a new prompt for every request (the router's tokenizer cache never hits)")
     args = p.parse_args(argv)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -178,24 +178,64 @@ def _cache_key(kind: str, body: dict) -> bytes:
     return h.digest()
 
 
+_PROBES = ("", "Hello, world!", " leading space", "tabs\tand\nnewlines  ", "naïve café 東京 🙂", "<s>[INST] x [/INST]",
+           "0123456789 " * 20)
+
+
+def _fast_counter(tok):
+    """`count(text, add_special_tokens) -> int` through the Rust tokenizer's `encode_batch_fast`
+    (no offsets; the GIL is released while it runs): about 2.4x cheaper than `tok.encode` for a
+    1,000-character prompt (158 vs 386 us, docs/performance.md). Used only when it agrees with
+    `tok.encode` on a set of probe strings; None otherwise (then `tok.encode` counts)."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is None:
+        return None
+
+    def count(text: str, add_special_tokens: bool) -> int:
+        return len(fast([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    try:
+        for text in _PROBES:
+            for special in (True, False):
+                if count(text, special) != len(tok.encode(text, add_special_tokens=special)):
+                    return None
+    except Exception:  # noqa: BLE001 - any surprise: keep the reference path
+        return None
+    return count
+
+
+_COUNTERS: dict[int, object] = {}
+
+
+def _encode_len(tok, text: str, add_special_tokens: bool) -> int:
+    counter = _COUNTERS.get(id(tok))
+    if counter is None:
+        counter = _COUNTERS[id(tok)] = _fast_counter(tok) or False
+    if counter is False:
+        return len(tok.encode(text, add_special_tokens=add_special_tokens))
+    return counter(text, add_special_tokens)
+
+
 def _count(tok, kind: str, body: dict) -> int:
     if kind == "chat":
-        return len(_render_chat(tok, body))
+        return _render_chat(tok, body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return len(tok.encode(prompt, add_special_tokens=True))
+        return _encode_len(tok, prompt, True)
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, int):
             return len(prompt)
         if isinstance(first, str):
-            return len(tok.encode(first, add_special_tokens=True))
+            return _encode_len(tok, first, True)
         if isinstance(first, list):
             return len(first)
     raise BadRequest("prompt must be a string, a list of strings or a list of token ids", param="prompt")
 
 
-def _render_chat(tok, body: dict) -> list[int]:
+def _render_chat(tok, body: dict) -> int:
+    """Token count of the chat template applied to the messages."""
     messages = [_normalise_message(m) for m in body["messages"]]
     kwargs = dict(body.get("chat_template_kwargs") or {})
     try:
@@ -209,7 +249,7 @@ def _render_chat(tok, body: dict) -> list[int]:
         )
     except Exception as exc:  # template errors are the request's fault
         raise BadRequest(f"chat template failed for these messages: {exc}", param="messages") from None
-    return tok.encode(text, add_special_tokens=False)
+    return _encode_len(tok, text, False)
 
 
 def _normalise_message(m: dict) -> dict:

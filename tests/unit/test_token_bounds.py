@@ -88,3 +88,35 @@ async def test_when_needed_keeps_the_context_check(tiny_model_path):
         assert r.status_code == 200
         m = await scrape(c)
         assert m.get("pd_router_tokenize_seconds_count") == 1  # LONG was counted, SHORT was settled
+
+
+def test_fast_count_equals_transformers_encode_and_is_refused_when_it_disagrees(tiny_model_path):
+    """The count path (`encode_batch_fast`, no offsets) must give transformers' count exactly;
+    a tokenizer whose fast path disagrees on the probes counts through `tok.encode`."""
+    from router.tokenizer import _count, _encode_len, _fast_counter
+
+    tok = _load(str(tiny_model_path))
+    count = _fast_counter(tok)
+    assert count is not None
+    rnd = random.Random(11)
+    alphabet = "ab cd\n\té☃💥日0.,<>/[]"
+    texts = SAMPLES + ["".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 600))) for _ in range(200)]
+    for text in texts:
+        for special in (True, False):
+            assert count(text, special) == len(tok.encode(text, add_special_tokens=special)), text[:40]
+    chat = {"messages": [{"role": "user", "content": "déjà vu, " * 30}]}
+    rendered = tok.apply_chat_template(chat["messages"], add_generation_prompt=True, tokenize=False)
+    assert _count(tok, "chat", chat) == len(tok.encode(rendered, add_special_tokens=False))
+
+    class Disagrees:
+        class backend_tokenizer:  # noqa: N801 - stands in for tokenizers.Tokenizer
+            @staticmethod
+            def encode_batch_fast(texts, add_special_tokens=True):
+                return [type("E", (), {"ids": [0] * (len(t) + 1)})() for t in texts]
+
+        @staticmethod
+        def encode(text, add_special_tokens=True):
+            return list(text)
+
+    assert _fast_counter(Disagrees()) is None
+    assert _encode_len(Disagrees(), "abc", True) == 3  # the reference path
