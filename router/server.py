@@ -131,7 +131,8 @@ class RouterHttpProtocol(HttpToolsProtocol):
         head = self._head(cycle, status, headers)
         head += (b"\r\n", body)
         cycle.response_started = True
-        self.transport.write(b"".join(head))
+        if not self.transport.is_closing():  # uvloop raises on a write after the client left
+            self.transport.write(b"".join(head))
         self._complete(cycle)
 
     def _complete(self, cycle) -> None:
@@ -151,7 +152,11 @@ class RouterHttpProtocol(HttpToolsProtocol):
         transport.write(b"".join(head))
 
         def write(chunk: bytes) -> None:
-            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            # Runs inside the engine connection's data_received: the client may have left since
+            # (its connection_lost has cancelled this task, which has not run yet). uvloop raises
+            # on a write to a closed transport, so check first; the chunk has nowhere to go.
+            if not transport.is_closing():
+                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
 
         self._hot_gone = False
         self._hot_task = asyncio.current_task()
@@ -159,7 +164,8 @@ class RouterHttpProtocol(HttpToolsProtocol):
             await splice(*response.args, write, self.flow)
         finally:
             self._hot_task = None
-        transport.write(_LAST_CHUNK)
+        if not transport.is_closing():
+            transport.write(_LAST_CHUNK)
         self._complete(cycle)
 
     @staticmethod

@@ -359,3 +359,44 @@ async def test_splice_holds_the_stream_until_the_prefill_usage_is_in():
     text = b"".join(written)
     assert text.index(b'"cached_tokens":3') < text.index(b" t2") < text.index(b"[DONE]")
     assert done[0].outcome == "ok" and done[0].output_tokens == 2 and stream.closed
+
+
+def test_a_chunk_arriving_after_the_client_left_is_dropped_quietly(tiny_model_path, monkeypatch, caplog):
+    """The engine's data_received can deliver a chunk after the client's connection closed and
+    before the request's task is cancelled: the write is skipped (uvloop, which `pd-router serve`
+    runs on, raises on a closed transport), the stream is torn down as a client disconnect, and
+    nothing is logged as an error. Run on uvloop: asyncio's own transports ignore such writes."""
+    import uvloop
+
+    import router.server
+
+    real = router.server.splice
+
+    async def racing(outcome, job, tally, itl, finish, write, flow):
+        def w(chunk: bytes) -> None:
+            write(chunk)
+            if not flow._transport.is_closing():
+                flow._transport.close()  # the client is gone (connection_lost is queued) ...
+                # ... and the next engine chunk is written after connection_lost ran, before the
+                # task it cancelled runs again (as an engine read in that same loop turn would be)
+                asyncio.get_running_loop().call_soon(write, b"data: late\n\n")
+
+        await real(outcome, job, tally, itl, finish, w, flow)
+
+    async def scenario() -> None:
+        async with topology(tiny_model_path, engine_kw={"itl_s": 0.01}) as (c, url, ps, ds, app):
+            reader, writer = await _open(url)
+            writer.write(_post("/v1/completions", {"model": "tiny", "prompt": SHORT, "max_tokens": 50,
+                                                   "stream": True}))
+            leg = await ds[0].wait_for(lambda q: q.method == "POST" and q.t_end is not None, timeout=10)
+            assert leg.disconnected
+            for _ in range(100):
+                if app.state.pdr.in_flight == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert app.state.pdr.in_flight == 0
+            writer.close()
+
+    monkeypatch.setattr(router.server, "splice", racing)
+    uvloop.run(scenario())
+    assert not [r for r in caplog.records if r.levelno >= 40], [r.getMessage() for r in caplog.records]
