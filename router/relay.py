@@ -277,10 +277,12 @@ class _Splice:
         """One read's worth of the engine's body (router/h1.py joins the HTTP chunks of a read)."""
         if self.backlog is not None or self.pending or b"usage" in chunk:
             self._slow(chunk)
-            return
-        events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ")  # token_events, inlined
-        if DONE in chunk[-16:]:
-            events -= 1
+        else:
+            self._send(chunk, 0)
+
+    def _send(self, chunk: bytes, quiet: int) -> None:
+        events, done = token_events(chunk, quiet)
+        if done:
             self.seen_done = True
         self.tally.tick(self.clock(), self.t0, self.itl, events)
         self.write(chunk)
@@ -304,16 +306,8 @@ class _Splice:
             details = self.details = (known, det)
         known, det = details or (False, None)
         chunk, self.pending, quiet = rewrite_usage(self.pending + chunk, self.tally, known, det, self.strip)
-        if not chunk:
-            return
-        events, done = token_events(chunk, quiet)
-        if done:
-            self.seen_done = True
-        self.tally.tick(self.clock(), self.t0, self.itl, events)
-        self.write(chunk)
-        if self.flow.write_paused:
-            self._hold()
-            self.helpers.append(asyncio.ensure_future(self._drain()))
+        if chunk:
+            self._send(chunk, quiet)
 
     def on_end(self) -> None:
         if self.backlog is not None:

@@ -54,6 +54,15 @@ async def _response(reader: asyncio.StreamReader) -> tuple[int, dict, bytes]:
     return status, headers, body
 
 
+async def _until_idle(app) -> None:
+    """Wait (up to 2 s) for the router to have no request in flight, then assert it."""
+    for _ in range(100):
+        if app.state.pdr.in_flight == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert app.state.pdr.in_flight == 0
+
+
 def _openai_error(body: bytes) -> dict:
     doc = orjson.loads(body)
     assert set(doc) == {"error"} and {"message", "type", "param", "code"} <= set(doc["error"]), doc
@@ -156,11 +165,7 @@ async def test_disconnect_mid_stream_closes_decode_leg_raw(tiny_model_path):
         writer.transport.abort()  # hang up mid-stream
         leg = await ds[0].wait_for(lambda q: q.method == "POST" and q.t_end is not None, timeout=5)
         assert leg.disconnected
-        for _ in range(100):
-            if app.state.pdr.in_flight == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert app.state.pdr.in_flight == 0
+        await _until_idle(app)
         assert all(i.in_flight == 0 for i in app.state.pdr.registry)
         m = (await c.get("/metrics")).text
         assert 'pd_router_requests_total{mode="pull",outcome="cancelled",route="disaggregated"} 1.0' in m
@@ -390,11 +395,7 @@ def test_a_chunk_arriving_after_the_client_left_is_dropped_quietly(tiny_model_pa
                                                    "stream": True}))
             leg = await ds[0].wait_for(lambda q: q.method == "POST" and q.t_end is not None, timeout=10)
             assert leg.disconnected
-            for _ in range(100):
-                if app.state.pdr.in_flight == 0:
-                    break
-                await asyncio.sleep(0.02)
-            assert app.state.pdr.in_flight == 0
+            await _until_idle(app)
             writer.close()
 
     monkeypatch.setattr(router.server, "splice", racing)
