@@ -120,7 +120,7 @@ def _on_registry_change(m: Metrics, settings: Settings, event: str, inst) -> Non
 def _freeze_heap(_done=None) -> None:
     """Take what is alive once the tokenizer is loaded (modules, the tokenizer, the app: ~10^5
     objects) out of the cyclic GC's reach (`gc.freeze`), so a full collection under load scans
-    only what requests created. A full collection of that start-up heap takes ~60 ms on these
+    only what requests created. A full collection of that start-up heap took 45-57 ms on these
     machines (docs/performance.md), a pause that every open stream would see."""
     gc.collect()
     gc.freeze()

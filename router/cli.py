@@ -60,7 +60,7 @@ SERVE_FLAGS = [
     ("--log-format", "log_format", str, "access/log line format", {"choices": ("text", "json")}),
     ("--slo-ttft", "slo_ttft", float, "goodput TTFT target, seconds", {}),
     ("--slo-itl", "slo_itl", float, "goodput mean inter-token latency target, seconds", {}),
-    ("--max-connections", "max_connections", int, "upstream connection pool size", {}),
+    ("--max-connections", "max_connections", int, "idle keep-alive connections kept per engine", {}),
     ("--tokenizer-threads", "tokenizer_threads", int, "threads counting prompt tokens", {}),
     ("--count-tokens", "count_tokens", str, "always tokenize prompts, or only when byte-length bounds do not "
      "settle the route and context check", {"choices": COUNT_TOKENS}),

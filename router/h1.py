@@ -1,4 +1,4 @@
-"""A small HTTP/1.1 client for streamed engine answers, driven by protocol callbacks.
+"""The router's HTTP/1.1 client for engine answers (streamed and whole), driven by protocol callbacks.
 
 The decode leg of a streamed request is the router's per-token path. With aiohttp every
 token chunk crossed its `StreamReader` and woke the relaying task (a future, a task step,
@@ -10,7 +10,7 @@ a few Python layers). Here the engine's socket feeds `httptools` (C) straight fr
   engine connection's `data_received`, so a token costs no task wake-up at all
   (`relay.splice` writes it to the client's transport from there).
 
-Connections are HTTP/1.1 keep-alive, pooled per (host, port); a connection is reused only
+Connections are HTTP/1.1 keep-alive, pooled per engine (host, port, TLS); one is reused only
 after its answer was read to the end. A stream closed early closes its connection, which
 is how the engine learns that the request is gone (vLLM then aborts it).
 
