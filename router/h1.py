@@ -192,6 +192,9 @@ class Stream:
         conn = self.conn
         conn.stream = None
         if keep_alive and not self.closed and not conn.lost:
+            if self._paused:  # the consumer paused us in this very read: the pool gets a reading connection
+                self._paused = False
+                conn.transport.resume_reading()
             conn.pool.release(conn)
         else:
             conn.transport.close()

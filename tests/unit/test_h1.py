@@ -262,3 +262,39 @@ async def test_pause_reading_holds_the_engine_and_aclose_drops_the_connection():
 async def test_header_values_with_line_breaks_are_refused():
     with pytest.raises(BadRequest):
         h1.request_head("POST", "/x", "h:1", {"authorization": "Bearer a\r\nx-evil: 1"}, 0)
+
+
+async def test_a_stream_paused_in_its_last_read_returns_a_reading_connection_to_the_pool():
+    """The relay pauses the engine's socket from inside a chunk callback (client backpressure,
+    or push waiting for P's usage) and that same read can end the answer. The connection then
+    goes back to the pool: it must be reading again, or the next request on it never sees its
+    answer (a push request once waited out the 60 s decode grace this way)."""
+
+    async def handler(s, reader, writer, n):
+        for _ in range(2):
+            await s.read_request(reader)
+            writer.write(OK_HEAD)
+            await writer.drain()
+            await asyncio.sleep(0.05)  # the body comes later, in one write: one read ends the answer
+            writer.write(chunk(b"data: 1\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            await writer.drain()
+        await reader.read()
+
+    async with Script(handler) as s:
+        pool = h1.Pool()
+        st = await _stream(pool, s.port)
+        assert not st.done
+        ended = asyncio.Event()
+
+        def on_chunk(body: bytes) -> None:
+            st.pause_reading()  # held by the consumer; the same read then completes the answer
+
+        st.attach(on_chunk, ended.set, lambda e: pytest.fail(f"error {e}"))
+        await asyncio.wait_for(ended.wait(), 5)
+        st.resume_reading()  # the consumer lets go after the end: nothing to resume any more
+        await st.aclose()
+        st2 = await _stream(pool, s.port, timeout=2)  # same connection, from the pool
+        assert await st2.first(2) == b"data: 1\n\ndata: [DONE]\n\n"  # a paused connection: timeout
+        assert s.connections == 1
+        await st2.aclose()
+        pool.close()
