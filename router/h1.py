@@ -212,13 +212,8 @@ class Stream:
         """End the stream with `err` (closes the connection)."""
         if self.done:
             return
-        self.done = True
         self.error = err
-        self._cancel_timer()
-        conn = self.conn
-        conn.stream = None
-        if not conn.lost:
-            conn.transport.close()
+        self._drop()
         if not self._head.done():
             self._head.set_exception(err)
             self._head.exception()  # retrieved by whoever awaits it; never "never retrieved"
@@ -365,12 +360,17 @@ class Stream:
         self.closed = True
         self._sink = self._end_cb = self._err_cb = None
         if not self.done:
-            self.done = True
-            self._cancel_timer()
-            conn = self.conn
-            conn.stream = None
-            if not conn.lost:
-                conn.transport.close()
+            self._drop()
+
+    def _drop(self) -> None:
+        """End the stream before its answer was read to the end: the connection is closed,
+        never pooled (the engine sees the disconnect)."""
+        self.done = True
+        self._cancel_timer()
+        conn = self.conn
+        conn.stream = None
+        if not conn.lost:
+            conn.transport.close()
 
 
 class Pool:

@@ -31,7 +31,11 @@ from router.h1 import Stream
 class Reply:
     status: int
     body: bytes
-    headers: Mapping[str, str]
+    stream: Stream  # the finished exchange; its headers are decoded only if asked for
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self.stream.headers
 
 
 class Upstream:
@@ -55,7 +59,7 @@ class Upstream:
         tls, host, port, path = self._target(url)
         status, data, stream = await h1.fetch(self.pool, method, host, port, path, body, headers or {},
                                               timeout=timeout, stage=stage, tls=tls)
-        return Reply(status, data, stream.headers)
+        return Reply(status, data, stream)
 
     async def post(self, url: str, body: bytes, headers: dict, *, timeout: float | None, stage: str) -> Reply:
         """POST JSON; an error status raises UpstreamStatus."""
