@@ -8,7 +8,12 @@ a few Python layers). Here the engine's socket feeds `httptools` (C) straight fr
 - before the stream is handed to the client, chunks are buffered (`first()`, `chunks()`);
 - once `attach(on_chunk, on_end, on_error)` is called, `on_chunk` runs inside the
   engine connection's `data_received`, so a token costs no task wake-up at all
-  (`relay.splice` writes it to the client's transport from there).
+  (`relay.splice` writes it to the client's transport from there);
+- with `start_fast(relay, on_flags)` (the C `router._splice.Relay`), a read that is a run of
+  whole chunks, taken while the parser sits between two chunks, is relayed by one C call
+  without reaching httptools or any Python callback; the relay declines (SLOW) every other
+  read, which then takes the path above. Declined reads leave no trace, and the fast ones
+  ended on a chunk boundary, so the parser's state stays right.
 
 Connections are HTTP/1.1 keep-alive, pooled per engine (host, port, TLS); one is reused only
 after its answer was read to the end. A stream closed early closes its connection, which
@@ -34,13 +39,15 @@ import httptools
 from router.errors import BadRequest, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("pd_router.h1")
+FAST_SLOW = 1  # router._splice.SLOW: the relay declined the read
 STATUS_WAIT_S = 10.0  # how long the body of an error status is read before giving up on it
 
 
 class Conn(asyncio.Protocol):
     """One keep-alive connection to an engine; answers one `Stream` at a time."""
 
-    __slots__ = ("pool", "key", "transport", "parser", "stream", "idle_since", "lost", "got_bytes", "parts")
+    __slots__ = ("pool", "key", "transport", "parser", "stream", "idle_since", "lost", "got_bytes", "parts",
+                 "at_boundary")
 
     def __init__(self, pool: "Pool", key: tuple[str, int, bool]):
         self.pool = pool
@@ -52,6 +59,7 @@ class Conn(asyncio.Protocol):
         self.lost = False
         self.got_bytes = False
         self.parts: list[bytes] = []  # body pieces of the read being parsed
+        self.at_boundary = False  # the parser is inside a chunked body, between two chunks
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
@@ -73,6 +81,19 @@ class Conn(asyncio.Protocol):
         if stream is None:  # bytes on an idle connection: it cannot be reused
             self.transport.close()
             return
+        fast = stream.fast
+        if fast is not None and self.at_boundary:
+            try:
+                flags = fast.feed(data)
+                if flags != FAST_SLOW:
+                    if flags:
+                        stream.on_fast_flags(flags)
+                    return
+            except Exception as exc:  # noqa: BLE001 - a bug of ours: fail this stream, keep serving
+                log.error("stream handler failed: %r", exc, exc_info=exc)
+                stream.fail(UpstreamError(f"router failed relaying the {stream.stage} stream", stage=stream.stage,
+                                          code="relay_error"))
+                return
         parts = self.parts
         try:
             self.parser.feed_data(data)
@@ -122,7 +143,13 @@ class Conn(asyncio.Protocol):
         self.stream.raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.stream.on_head(self.parser.get_status_code())
+        self.at_boundary = self.stream.on_head(self.parser.get_status_code())
+
+    def on_chunk_header(self) -> None:
+        self.at_boundary = False
+
+    def on_chunk_complete(self) -> None:
+        self.at_boundary = True
 
     def on_body(self, body: bytes) -> None:
         self.parts.append(body)
@@ -137,7 +164,7 @@ class Stream:
 
     __slots__ = ("conn", "stage", "status", "raw_headers", "_loop", "_head", "_buf", "_waiter", "_sink",
                  "_end_cb", "_err_cb", "done", "error", "_timer", "_idle", "deadline", "_last", "_paused",
-                 "closed", "until_eof")
+                 "closed", "until_eof", "fast", "_fast_cb")
 
     def __init__(self, conn: Conn, stage: str, loop: asyncio.AbstractEventLoop):
         self.conn = conn
@@ -160,6 +187,8 @@ class Stream:
         self._paused = False
         self.closed = False
         self.until_eof = False
+        self.fast = None  # a router._splice.Relay taking whole-chunk reads (start_fast)
+        self._fast_cb: Callable[[int], None] | None = None
 
     @property
     def headers(self) -> dict[str, str]:
@@ -167,13 +196,24 @@ class Stream:
 
     # -- events from the connection ----------------------------------------------------------
 
-    def on_head(self, status: int) -> None:
+    def on_head(self, status: int) -> bool:
+        """The status line and headers are in; returns whether the body is chunked."""
         self.status = status
+        chunked = False
         if status >= 200 and status not in (204, 304):
-            names = {k.lower() for k, _ in self.raw_headers}
-            self.until_eof = b"content-length" not in names and b"transfer-encoding" not in names
+            te = None
+            length = False
+            for k, v in self.raw_headers:
+                k = k.lower()
+                if k == b"transfer-encoding":
+                    te = v
+                elif k == b"content-length":
+                    length = True
+            self.until_eof = te is None and not length
+            chunked = te is not None and te.strip().lower().endswith(b"chunked")
         if not self._head.done():
             self._head.set_result(status)
+        return chunked
 
     def on_body(self, body: bytes) -> None:
         self._last = self._loop.time()
@@ -184,10 +224,14 @@ class Stream:
         self._buf.append(body)
         self._wake()
 
+    def on_fast_flags(self, flags: int) -> None:
+        self._fast_cb(flags)
+
     def on_end(self, keep_alive: bool) -> None:
         if self.done:
             return
         self.done = True
+        self.fast = None
         self._cancel_timer()
         conn = self.conn
         conn.stream = None
@@ -244,9 +288,15 @@ class Stream:
             self._timer.cancel()
             self._timer = None
 
+    def _last_read(self) -> float:
+        fast = self.fast
+        if fast is not None and fast.last_read > self._last:
+            return fast.last_read  # the same clock (CLOCK_MONOTONIC) as the loop's
+        return self._last
+
     def _arm(self) -> None:
         """Idle gap and whole-request deadline: one timer, re-armed when it fires early."""
-        when = None if self._idle is None else self._last + self._idle
+        when = None if self._idle is None else self._last_read() + self._idle
         if self.deadline is not None and (when is None or self.deadline < when):
             when = self.deadline
         if when is not None and not self.done:
@@ -257,7 +307,7 @@ class Stream:
         now = self._loop.time()
         if self.deadline is not None and now >= self.deadline:
             self.fail(UpstreamTimeout("request timeout reached while streaming", stage=self.stage))
-        elif self._idle is not None and now - self._last >= self._idle:
+        elif self._idle is not None and now - self._last_read() >= self._idle:
             self.fail(UpstreamTimeout(f"{self.stage} stream idle for more than {self._idle:g}s", stage=self.stage))
         else:
             self._arm()
@@ -341,6 +391,15 @@ class Stream:
         finally:
             self._cancel_timer()
 
+    def start_fast(self, relay, on_flags: Callable[[int], None]) -> None:
+        """Let `relay.feed` take whole-chunk reads from now on (see the module's doc);
+        `on_flags(flags)` gets its non-zero answers (PAUSED, FLUSH)."""
+        if not self.done:
+            self.fast, self._fast_cb = relay, on_flags
+
+    def stop_fast(self) -> None:
+        self.fast = None
+
     def pause_reading(self) -> None:
         if not self._paused and not self.done:
             self._paused = True
@@ -358,7 +417,8 @@ class Stream:
         if self.closed:
             return
         self.closed = True
-        self._sink = self._end_cb = self._err_cb = None
+        self._sink = self._end_cb = self._err_cb = self._fast_cb = None
+        self.fast = None
         if not self.done:
             self._drop()
 
@@ -366,6 +426,7 @@ class Stream:
         """End the stream before its answer was read to the end: the connection is closed,
         never pooled (the engine sees the disconnect)."""
         self.done = True
+        self.fast = None
         self._cancel_timer()
         conn = self.conn
         conn.stream = None
@@ -468,6 +529,7 @@ async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, 
         stream = Stream(conn, stage, loop)
         conn.stream = stream
         conn.got_bytes = False
+        conn.at_boundary = False
         conn.transport.write(head)
         if body is not None:
             conn.transport.write(body)

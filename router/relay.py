@@ -19,9 +19,16 @@ import orjson
 from router.dispatch.base import Job, Outcome
 from router.errors import RouterError, UpstreamError, sse_error_event
 
+try:  # the per-read relay in C (setup.py builds it; optional: every read goes through Python without it)
+    from router import _splice
+except ImportError:  # pragma: no cover - exercised where the extension was not built
+    _splice = None
+
 log = logging.getLogger("pd_router.relay")
-DONE = b"data: [DONE]"
+DONE_EVENT = b"data: [DONE]\n\n"
 ITL_FLUSH = 64  # batched ITL observations are flushed into the histogram this often (and at the end)
+MAX_PENDING = 1 << 20  # bytes of one unfinished SSE event held back before they are passed on as they are
+_PAUSED, _FLUSH = (_splice.PAUSED, _splice.FLUSH) if _splice is not None else (2, 4)
 
 
 class Tally:
@@ -194,13 +201,25 @@ async def whole_body(outcome: Outcome, job: Job, tally: Tally) -> bytes:
     return body
 
 
-def token_events(chunk: bytes, quiet: int) -> tuple[int, bool]:
-    """(token events in `chunk`, whether it ends with [DONE]); `quiet` usage-only events
-    in it are not tokens either. An SSE event starts a line and JSON escapes newlines, so
-    the pattern cannot match inside an event."""
-    events = chunk.count(b"\ndata: ") + chunk.startswith(b"data: ") - quiet
-    done = DONE in chunk[-16:]
-    return events - done, done
+def token_events(events: bytes, quiet: int) -> tuple[int, bool]:
+    """(token events in `events`, whether they end with [DONE]). `events` is whole SSE events
+    (`split_events`); each ends with a blank line, and JSON escapes newlines, so "\\n\\n" only
+    ends events. `quiet` usage-only events among them are not tokens; [DONE] is not one."""
+    done = events[-14:] == DONE_EVENT
+    return events.count(b"\n\n") - quiet - done, done
+
+
+def split_events(pending: bytes, chunk: bytes) -> tuple[bytes, bytes]:
+    """(whole events, the rest): a read can end inside an event (TCP cuts anywhere); the cut
+    event waits for its end, so usage is seen whole and every event is counted once.
+    An engine that never ends an event gets its bytes through unparsed past MAX_PENDING."""
+    if not pending and chunk[-2:] == b"\n\n":
+        return chunk, b""
+    data = pending + chunk
+    cut = data.rfind(b"\n\n")
+    if cut < 0:
+        return (data, b"") if len(data) > MAX_PENDING else (b"", data)
+    return data[:cut + 2], data[cut + 2:]
 
 
 async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish) -> AsyncIterator[bytes]:
@@ -208,7 +227,7 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
     stream = outcome.stream
     assert stream is not None
     fix = outcome.prefill_reply is not None
-    pending = b""  # only used while an event carrying usage is split across reads
+    pending = b""  # the start of an event cut by a read
     seen_done = False
     t0 = job.t0
     try:
@@ -217,9 +236,10 @@ async def stream_body(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish
         strip = job.strip_usage
         while True:
             quiet = 0  # events that are not tokens: a usage-only event, [DONE]
-            if b"usage" in chunk or pending:
+            chunk, pending = split_events(pending, chunk)
+            if b"usage" in chunk:
                 known, details = await prefill_details(outcome) if fix else (False, None)
-                chunk, pending, quiet = rewrite_usage(pending + chunk, tally, known, details, strip)
+                chunk, quiet = rewrite_usage(chunk, tally, known, details, strip)
             if chunk:
                 events, done = token_events(chunk, quiet)
                 seen_done = seen_done or done
@@ -252,9 +272,10 @@ class _Splice:
     `data_received` (router/h1.py), so a token chunk costs no task wake-up."""
 
     __slots__ = ("outcome", "stream", "tally", "itl", "write", "flow", "t0", "fix", "strip", "pending",
-                 "seen_done", "backlog", "details", "holds", "ended", "helpers", "clock")
+                 "seen_done", "backlog", "details", "holds", "ended", "helpers", "clock", "fast", "slowed")
 
-    def __init__(self, outcome: Outcome, job: Job, tally: Tally, itl_hist, write, flow, ended: asyncio.Future):
+    def __init__(self, outcome: Outcome, job: Job, tally: Tally, itl_hist, write, flow, ended: asyncio.Future,
+                 fast=None):
         self.outcome = outcome
         self.stream = outcome.stream
         self.tally = tally
@@ -264,7 +285,7 @@ class _Splice:
         self.t0 = job.t0
         self.fix = outcome.prefill_reply is not None
         self.strip = job.strip_usage
-        self.pending = b""  # only while an event carrying usage is split across reads
+        self.pending = b""  # the start of an event cut by a read (split_events)
         self.seen_done = False
         self.backlog: list | None = None  # events held while waiting for P's usage details
         self.details: tuple[bool, object] | None = None
@@ -272,10 +293,24 @@ class _Splice:
         self.ended = ended
         self.helpers: list[asyncio.Task] = []
         self.clock = time.perf_counter
+        self.fast = fast  # a router._splice.Relay: it keeps the TTFT/ITL numbers (fast reads and ours)
+        self.slowed = False  # a usage event was seen: every later read goes through `_slow`
 
     def on_chunk(self, chunk: bytes) -> None:
         """One read's worth of the engine's body (router/h1.py joins the HTTP chunks of a read)."""
-        if self.backlog is not None or self.pending or b"usage" in chunk:
+        if self.backlog is not None:
+            self.backlog.append(chunk)
+            return
+        if self.pending or chunk[-2:] != b"\n\n":
+            chunk, self.pending = split_events(self.pending, chunk)
+            if self.fast is not None and not self.slowed:  # the C relay starts on an event boundary
+                if self.pending:
+                    self.stream.stop_fast()
+                else:
+                    self.stream.start_fast(self.fast, self.on_fast_flags)
+            if not chunk:
+                return
+        if b"usage" in chunk or self.slowed:
             self._slow(chunk)
         else:
             self._send(chunk, 0)
@@ -284,28 +319,67 @@ class _Splice:
         events, done = token_events(chunk, quiet)
         if done:
             self.seen_done = True
-        self.tally.tick(self.clock(), self.t0, self.itl, events)
+        fast = self.fast
+        if fast is not None:
+            if fast.tick(events):
+                self._take_itl()
+        else:
+            self.tally.tick(self.clock(), self.t0, self.itl, events)
         self.write(chunk)
         if self.flow.write_paused:
-            self._hold()
-            self.helpers.append(asyncio.ensure_future(self._drain()))
+            self._paused()
+
+    def _paused(self) -> None:
+        self._hold()
+        self.helpers.append(asyncio.ensure_future(self._drain()))
+
+    def on_fast_flags(self, flags: int) -> None:
+        """The C relay's answer for a read it relayed: batched ITL to flush, client backpressure."""
+        if flags & _FLUSH:
+            self._take_itl()
+        if flags & _PAUSED:
+            self._paused()
+
+    def _take_itl(self) -> None:
+        """Move the C relay's batched ITL observations into the histogram."""
+        counts, total = self.fast.take()
+        hist = self.itl
+        hist._sum.inc(total)
+        buckets = hist._buckets
+        for i, c in enumerate(counts):
+            if c:
+                buckets[i].inc(c)
+
+    def sync_fast(self) -> None:
+        """At the end: the C relay's numbers into the Tally, its batched ITL into the histogram."""
+        fast, tally = self.fast, self.tally
+        self.stream.stop_fast()
+        if fast.pending:
+            self._take_itl()
+        tally.ttft, tally.gaps, tally.max_gap, tally.chunks = fast.ttft, fast.gaps, fast.max_gap, fast.chunks
+        fast.close()
 
     def _slow(self, chunk: bytes) -> None:
-        """A chunk with usage in it (or after one): rewrite it, waiting for P's details if needed."""
-        if self.backlog is not None:
-            self.backlog.append(chunk)
-            return
+        """Whole events with usage in them (or after such): rewrite them, waiting for P's details
+        if needed. The C relay stays off from here on: nothing may overtake what is held here."""
+        if not self.slowed:
+            self.slowed = True
+            if self.fast is not None:
+                self.stream.stop_fast()
         details = self.details
         if details is None and self.fix:
             ready, known, det = prefill_details_now(self.outcome)
             if not ready:  # rare: hold the stream until P's answer is in
                 self.backlog = [chunk]
+                if self.pending:  # the cut event after these comes after them again
+                    self.backlog.append(self.pending)
+                    self.pending = b""
                 self._hold()
                 self.helpers.append(asyncio.ensure_future(self._await_details()))
                 return
             details = self.details = (known, det)
         known, det = details or (False, None)
-        chunk, self.pending, quiet = rewrite_usage(self.pending + chunk, self.tally, known, det, self.strip)
+        chunk, quiet = rewrite_usage(chunk, self.tally, known, det, self.strip)
         if chunk:
             self._send(chunk, quiet)
 
@@ -318,7 +392,7 @@ class _Splice:
         if self.pending:
             self.write(self.pending)
             self.pending = b""
-        if self.seen_done:
+        if self.seen_done or (self.fast is not None and self.fast.seen_done):
             self.ended.set_result(None)
         else:
             self.ended.set_exception(UpstreamError("decode instance ended the stream early (no [DONE])",
@@ -357,7 +431,17 @@ class _Splice:
         self._release()
 
 
-async def splice(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, write, flow) -> None:
+def _fast_relay(outcome: Outcome, job: Job, itl_hist, flow, transport):
+    """A C relay for this stream, when the extension, the stream and the histogram allow one."""
+    if _splice is None or transport is None or not hasattr(outcome.stream, "start_fast"):
+        return None
+    bounds = getattr(itl_hist, "_upper_bounds", None)
+    if bounds is None or not hasattr(itl_hist, "_buckets") or not hasattr(itl_hist, "_sum"):
+        return None
+    return _splice.Relay(transport, flow, bounds, job.t0)
+
+
+async def splice(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, write, flow, transport=None) -> None:
     """Relay the decode stream for the router's own HTTP server (router/server.py).
 
     Each decode chunk is handed to `write` (the server frames it and writes it to the
@@ -365,13 +449,20 @@ async def splice(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, wri
     wakes up per token. This coroutine only waits for the end. `flow` is the client
     connection's flow control: while the client's socket buffer is full (`write_paused`)
     the engine's socket is paused until `flow.drain()` returns.
+    `transport`: the client's transport, which `write` frames chunks onto. Given, and with the
+    C extension built, reads that are whole chunks without usage are relayed by
+    `router._splice.Relay` (one C call per read: framing checked, events counted, TTFT/ITL
+    kept, one write, backpressure reported); all other reads take the Python path.
     Same semantics as `stream_body`: usage rewrite, Tally, the error event, `finish` once.
     """
     ended = asyncio.get_running_loop().create_future()
-    sp = _Splice(outcome, job, tally, itl_hist, write, flow, ended)
+    sp = _Splice(outcome, job, tally, itl_hist, write, flow, ended, _fast_relay(outcome, job, itl_hist, flow, transport))
     try:
         sp.on_chunk(outcome.body)
-        outcome.stream.attach(sp.on_chunk, sp.on_end, sp.on_error)
+        stream = outcome.stream
+        stream.attach(sp.on_chunk, sp.on_end, sp.on_error)
+        if sp.fast is not None and not (sp.slowed or sp.pending or sp.backlog is not None):
+            stream.start_fast(sp.fast, sp.on_fast_flags)  # on an event boundary: C takes whole-chunk reads
         await ended
     except RouterError as exc:
         tally.outcome = "timeout" if exc.status == 504 else "upstream_error"
@@ -383,25 +474,23 @@ async def splice(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, wri
     finally:
         for task in sp.helpers:
             task.cancel()
+        if sp.fast is not None:
+            sp.sync_fast()
         await outcome.close()
         tally.flush_itl()
         finish(tally)
 
 
-def rewrite_usage(data: bytes, tally: Tally, known: bool, details: object,
-                  strip: bool) -> tuple[bytes, bytes, int]:
-    """Rewrite complete SSE events that carry usage; keep an incomplete tail pending.
+def rewrite_usage(complete: bytes, tally: Tally, known: bool, details: object,
+                  strip: bool) -> tuple[bytes, int]:
+    """Rewrite the SSE events that carry usage in `complete` (whole events: `split_events`).
 
-    Returns (bytes to send, pending tail, usage-only events kept in the bytes sent).
+    Returns (bytes to send, usage-only events kept in them).
     `known`/`details`: P's prompt_tokens_details, put into D's usage when known.
     `strip`: drop usage-only events (the router asked for them, the client did not).
     """
-    cut = data.rfind(b"\n\n")
-    if cut < 0:
-        return b"", data, 0
-    complete, rest = data[: cut + 2], data[cut + 2:]
     if b'"usage":{' not in complete and b'"usage": {' not in complete:
-        return complete, rest, 0
+        return complete, 0
     out = []
     quiet = 0
     for event in complete.split(b"\n\n"):
@@ -424,4 +513,4 @@ def rewrite_usage(data: bytes, tally: Tally, known: bool, details: object,
                 if known and fix_usage_doc(doc, details):
                     event = b"data: " + orjson.dumps(doc)
         out.append(event)
-    return b"\n\n".join(out), rest, quiet
+    return b"\n\n".join(out), quiet

@@ -161,7 +161,7 @@ class RouterHttpProtocol(HttpToolsProtocol):
         self._hot_gone = False
         self._hot_task = asyncio.current_task()
         try:
-            await splice(*response.args, write, self.flow)
+            await splice(*response.args, write, self.flow, transport)
         finally:
             self._hot_task = None
         if not transport.is_closing():

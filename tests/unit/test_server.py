@@ -377,7 +377,7 @@ def test_a_chunk_arriving_after_the_client_left_is_dropped_quietly(tiny_model_pa
 
     real = router.server.splice
 
-    async def racing(outcome, job, tally, itl, finish, write, flow):
+    async def racing(outcome, job, tally, itl, finish, write, flow, transport=None):
         def w(chunk: bytes) -> None:
             write(chunk)
             if not flow._transport.is_closing():
@@ -386,7 +386,7 @@ def test_a_chunk_arriving_after_the_client_left_is_dropped_quietly(tiny_model_pa
                 # task it cancelled runs again (as an engine read in that same loop turn would be)
                 asyncio.get_running_loop().call_soon(write, b"data: late\n\n")
 
-        await real(outcome, job, tally, itl, finish, w, flow)
+        await real(outcome, job, tally, itl, finish, w, flow, transport)  # later reads: the C relay's check
 
     async def scenario() -> None:
         async with topology(tiny_model_path, engine_kw={"itl_s": 0.01}) as (c, url, ps, ds, app):
@@ -401,3 +401,34 @@ def test_a_chunk_arriving_after_the_client_left_is_dropped_quietly(tiny_model_pa
     monkeypatch.setattr(router.server, "splice", racing)
     uvloop.run(scenario())
     assert not [r for r in caplog.records if r.levelno >= 40], [r.getMessage() for r in caplog.records]
+
+
+async def test_streams_through_the_server_use_the_c_relay(tiny_model_path, monkeypatch):
+    """Over real sockets, direct and disaggregated streams: the engine's reads after the first
+    are relayed by router._splice (when built), and the client gets the same answer shape."""
+    import router.relay
+
+    if router.relay._splice is None:
+        pytest.skip("router._splice (C extension) not built")
+    relays = []
+    real = router.relay._fast_relay
+
+    def spy(*a):
+        relays.append(real(*a))
+        return relays[-1]
+
+    monkeypatch.setattr(router.relay, "_fast_relay", spy)
+    async with topology(tiny_model_path, engine_kw={"itl_s": 0.005}) as (c, url, ps, ds, app):
+        reader, writer = await _open(url)
+        for prompt in (SHORT, LONG):
+            writer.write(_post("/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 20,
+                                                   "stream": True}))
+            status, headers, body = await _response(reader)
+            events = sse_events(body.decode())
+            assert status == 200 and events[-1] == "[DONE]" and len(events) == 21
+            assert not any("usage" in e for e in events[:-1])  # the router's own usage request is stripped
+        writer.close()
+        await _until_idle(app)
+        m = (await c.get("/metrics")).text
+    assert len(relays) == 2 and all(r.fast_reads >= 10 for r in relays), [r.fast_reads for r in relays]
+    assert 'pd_router_output_tokens_total{route="direct"} 20.0' in m
