@@ -3,6 +3,7 @@ skips tokenizing only when the bounds settle the route and the context check."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from launch.fake_engine_wire import prompt_chars
@@ -120,3 +121,34 @@ def test_fast_count_equals_transformers_encode_and_is_refused_when_it_disagrees(
 
     assert _fast_counter(Disagrees()) is None
     assert _encode_len(Disagrees(), "abc", True) == 3  # the reference path
+
+
+async def test_short_prompts_are_counted_inline_long_ones_in_the_pool(tiny_model_path, monkeypatch):
+    """The thread hop costs about what encoding a short prompt does: short prompts are counted
+    on the loop, long ones (and large chats) in the pool; the counts are the same either way."""
+    from router import tokenizer
+
+    counter = TokenCounter(str(tiny_model_path), inline_chars=100)
+    await counter.ensure_loaded()
+    hops = []
+    loop = asyncio.get_running_loop()
+    real = loop.run_in_executor
+
+    def spy(pool, fn, *args):
+        hops.append(args[1])
+        return real(pool, fn, *args)
+
+    monkeypatch.setattr(loop, "run_in_executor", spy)
+    short, long_ = "word " * 20, "word " * 400
+    assert await counter.count("completions", {"prompt": short}) == tokenizer._count(counter._tok, "completions",
+                                                                                      {"prompt": short})
+    assert hops == []
+    n_long = await counter.count("completions", {"prompt": long_})
+    assert hops == ["completions"] and n_long == tokenizer._count(counter._tok, "completions", {"prompt": long_})
+    await counter.count("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    await counter.count("chat", {"messages": [{"role": "user", "content": long_}]})
+    await counter.count("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
+    assert hops == ["completions", "chat", "chat"]  # long content, and content parts, go to the pool
+    await counter.count("completions", {"prompt": [1, 2, 3]})
+    assert len(hops) == 3
+    counter.close()
