@@ -25,22 +25,7 @@ from benchmarks import harness
 from benchmarks.bench_router import P_ENGINE_ID, D_ENGINE_ID, P_KV_PORT, ROUTER_MODE, THRESHOLD, find_tokenizer
 
 
-def runtime_s(pid: int) -> float:
-    """Scheduler runtime (s) of every thread of `pid` and of its child processes: the tokenizer
-    pool's threads too (/proc/<pid>/schedstat alone is the main thread only)."""
-    total = 0
-    for p in [pid, *harness._children(pid)]:
-        try:
-            tids = os.listdir(f"/proc/{p}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{p}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except OSError:
-                pass
-    return total / 1e9
+runtime_s = harness.runtime_s
 
 
 def main(argv: list[str] | None = None) -> int:

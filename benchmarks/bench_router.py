@@ -178,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report.table(results))
     print(f"\n{a.prompt_chars}-char prompts, {a.max_tokens} streamed tokens, "
           f"{a.prefill_us_per_char:g} us/char prefill, {a.itl_ms:g} ms ITL, {a.duration:g} s per "
-          f"run ({a.warmup:g} s warm-up); each router run paired with a direct run; logs in "
+          f"run ({a.warmup:g} s warm-up); each router run paired with a direct run; router CPU = "
+          f"scheduler runtime of all its threads (schedstat) per request; logs in "
           f"{logdir}")
     return 1 if any(m.get("error") for m in results["modes"].values()) else 0
 

@@ -23,6 +23,7 @@ def derive(point: dict) -> dict:
     """Differences and ratios of one paired point."""
     d, r = point["direct"], point["router"]
     router_cpu = r.get("cpu_s", {}).get("router")
+    ticks = r.get("cpu_ticks_s", {}).get("router")
     return {
         "added_ttft_p50_ms": _sub(r["ttft_p50_ms"], d["ttft_p50_ms"]),
         "added_ttft_p99_ms": _sub(r["ttft_p99_ms"], d["ttft_p99_ms"]),
@@ -34,6 +35,8 @@ def derive(point: dict) -> dict:
         "router_cpu_ms_per_req": (router_cpu * 1000 / r["requests_total"]
                                   if router_cpu is not None and r["requests_total"] else None),
         "router_cpu_util": router_cpu / r["run_wall_s"] if router_cpu is not None else None,
+        "router_cpu_ticks_ms_per_req": (ticks * 1000 / r["requests_total"]
+                                        if ticks is not None and r["requests_total"] else None),
     }
 
 
@@ -122,7 +125,8 @@ def details(results: dict) -> str:
                 f"{_ms(r['itl_p99_ms'], False)}; e2e p50 {_ms(d['e2e_p50_ms'], False)} -> "
                 f"{_ms(r['e2e_p50_ms'], False)}; tok/s {d['tok_per_s']:.0f} -> "
                 f"{r['tok_per_s']:.0f}; router CPU {_ms(x['router_cpu_ms_per_req'], False)} "
-                f"ms/req ({_pct(x['router_cpu_util'])} of a core); fakes "
+                f"ms/req ({_pct(x['router_cpu_util'])} of a core; utime+stime "
+                f"{_ms(x['router_cpu_ticks_ms_per_req'], False)}); fakes "
                 f"{_pct(r['cpu_s'].get('fakes', 0) / r['run_wall_s'])}, loadgen "
                 f"{_pct(r['loadgen_cpu_s'] / r['run_wall_s'])}; errors {r['errors']}/{d['errors']}")
     return "\n".join(out)
