@@ -398,7 +398,10 @@ class Stream:
             self.fast, self._fast_cb = relay, on_flags
 
     def stop_fast(self) -> None:
-        self.fast = None
+        fast = self.fast
+        if fast is not None:
+            self._last = self._last_read()  # the idle timer keeps what the C relay saw
+            self.fast = None
 
     def pause_reading(self) -> None:
         if not self._paused and not self.done:

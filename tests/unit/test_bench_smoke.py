@@ -101,3 +101,14 @@ def test_report_table_rows():
     assert pull[4] == "5.00 / 5.00"  # 0.5 CPU s over 100 requests
     assert pull[5] == "90 (c=1; direct 100)"  # c=64 breaks the ITL budget (+9 ms)
     assert "not run: router exited with 1" in lines[3]
+
+
+def test_wakeup_floor_prints_one_row_per_server(capsys):
+    """benchmarks/wakeup_floor.py: real echo servers, a positive CPU figure per wake-up."""
+    from benchmarks import wakeup_floor
+
+    assert wakeup_floor.main(["--messages", "20", "--gap-ms", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "server" not in line]
+    names = [r.split(" | ")[0].strip("| ") for r in rows]
+    assert names[-1] == "uvloop" and set(names) <= {"c-epoll", "uvloop"}
+    assert all(float(r.split(" | ")[1]) > 0 for r in rows)
