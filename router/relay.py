@@ -112,19 +112,25 @@ class Tally:
         """Move the batched ITL observations into the histogram."""
         if not self._pending:
             return
-        hist, counts = self._itl, self._counts
-        hist._sum.inc(self._sum)
-        buckets = hist._buckets
-        for i, c in enumerate(counts):
-            if c:
-                buckets[i].inc(c)
-                counts[i] = 0
+        counts = self._counts
+        observe_batch(self._itl, counts, self._sum)
+        counts[:] = [0] * len(counts)
         self._sum = 0.0
         self._pending = 0
 
     @property
     def mean_itl(self) -> float | None:
         return self.gaps / (self.chunks - 1) if self.chunks > 1 else None
+
+
+def observe_batch(hist, counts: list[int], total: float) -> None:
+    """Add batched observations to a prometheus_client histogram: `counts` per bucket (the
+    bucket `observe` would pick), `total` their sum."""
+    hist._sum.inc(total)
+    buckets = hist._buckets
+    for i, c in enumerate(counts):
+        if c:
+            buckets[i].inc(c)
 
 
 def ask_usage(body: dict) -> tuple[dict, bool]:
@@ -342,13 +348,7 @@ class _Splice:
 
     def _take_itl(self) -> None:
         """Move the C relay's batched ITL observations into the histogram."""
-        counts, total = self.fast.take()
-        hist = self.itl
-        hist._sum.inc(total)
-        buckets = hist._buckets
-        for i, c in enumerate(counts):
-            if c:
-                buckets[i].inc(c)
+        observe_batch(self.itl, *self.fast.take())
 
     def sync_fast(self) -> None:
         """At the end: the C relay's numbers into the Tally, its batched ITL into the histogram."""

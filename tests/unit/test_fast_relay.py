@@ -104,6 +104,10 @@ def relay_for(transport=None, flow=None, bounds=(0.01, 0.1, float("inf")), t0=0.
 # -- Relay.feed on its own ---------------------------------------------------------------------
 
 
+def test_h1_reads_the_decline_flag_the_module_defines():
+    assert (h1.FAST_SLOW, relay._PAUSED, relay._FLUSH) == (_splice.SLOW, _splice.PAUSED, _splice.FLUSH)
+
+
 def test_one_chunk_passes_through_as_it_came_and_is_counted():
     client = Transport()
     r = relay_for(client)
