@@ -195,6 +195,7 @@ def run_load(url: str, *, concurrency: int | None, rate: float | None, duration:
     cmd += ["--rate", str(rate)] if rate else ["--concurrency", str(concurrency)]
     if unique:
         cmd.append("--unique-prompts")
+    stages0 = router_stages(url) if "router" in watch else None
     before = {k: p.cpu() for k, p in watch.items()}
     before_ticks = {k: p.cpu_ticks() for k, p in watch.items()}
     t0 = time.monotonic()
@@ -212,7 +213,33 @@ def run_load(url: str, *, concurrency: int | None, rate: float | None, duration:
     summary["cpu_s"] = {k: after[k] - before[k] for k in watch}  # scheduler runtime (runtime_s)
     summary["cpu_ticks_s"] = {k: after_ticks[k] - before_ticks[k] for k in watch}  # utime + stime
     summary["run_wall_s"] = wall
+    if stages0 is not None:
+        stages1 = router_stages(url)
+        summary["router_stages_ms"] = {
+            k: 1e3 * (s1 - stages0[k][0]) / (n1 - stages0[k][1])
+            for k, (s1, n1) in stages1.items() if k in stages0 and n1 > stages0[k][1]}
     return summary
+
+
+STAGES = {"pd_router_tokenize_seconds": "tokenize", "pd_router_prefill_leg_seconds": "prefill_leg",
+          "pd_router_handoff_seconds": "handoff", "pd_router_time_to_first_token_seconds": "ttft"}
+
+
+def router_stages(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the router's stage histograms (all label sets together), from its
+    /metrics: the run's mean per stage is the difference of two scrapes (warm-up included)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, tuple[float, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        name = STAGES.get(fam.name)
+        if name is None:
+            continue
+        total = sum(s.value for s in fam.samples if s.name.endswith("_sum"))
+        count = sum(s.value for s in fam.samples if s.name.endswith("_count"))
+        out[name] = (total, count)
+    return out
 
 
 def prime(url: str, *, model: str, prompt_chars: int, timeout: float = 120.0) -> None:

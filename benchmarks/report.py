@@ -128,8 +128,16 @@ def details(results: dict) -> str:
                 f"ms/req ({_pct(x['router_cpu_util'])} of a core; utime+stime "
                 f"{_ms(x['router_cpu_ticks_ms_per_req'], False)}); fakes "
                 f"{_pct(r['cpu_s'].get('fakes', 0) / r['run_wall_s'])}, loadgen "
-                f"{_pct(r['loadgen_cpu_s'] / r['run_wall_s'])}; errors {r['errors']}/{d['errors']}")
+                f"{_pct(r['loadgen_cpu_s'] / r['run_wall_s'])}; errors {r['errors']}/{d['errors']}"
+                + _stages(r.get("router_stages_ms")))
     return "\n".join(out)
+
+
+def _stages(stages: dict | None) -> str:
+    """The router's own stage means (its /metrics), where the added TTFT goes."""
+    if not stages:
+        return ""
+    return "; router means " + ", ".join(f"{k} {v:.2f}" for k, v in stages.items()) + " ms"
 
 
 def _pct(v: float | None) -> str:
