@@ -100,6 +100,12 @@ def _cpu(runs: list[dict]) -> float:
     return 1000 * sum(r["router_cpu_s"] for r in runs) / max(1, sum(r["requests_total"] for r in runs))
 
 
+def _steal(runs: list[dict]) -> str:
+    """Mean over the runs of the most stolen core's steal share (harness.run_load)."""
+    worst = [max(r["steal_pct"].values()) for r in runs if r.get("steal_pct")]
+    return f"{statistics.mean(worst):.0f}" if worst else "n/a"
+
+
 def _line(c: int, runs: dict) -> str:
     d = _agg(runs["direct"], "ttft_p50_ms")
     return " | ".join([f"c={c}"] + [f"{k}: TTFT p50 {_agg(runs[k], 'ttft_p50_ms') - d:+.1f} ms, "
@@ -108,8 +114,8 @@ def _line(c: int, runs: dict) -> str:
 
 def table(results: dict) -> str:
     head = ("| c | build | added TTFT p50 ms | added TTFT p99 ms | added ITL p99 ms | tok/s (direct) | "
-            "router CPU ms/req | errors | load avg |")
-    out = [head, "|" + "---|" * 9]
+            "router CPU ms/req | errors | load avg | steal % |")
+    out = [head, "|" + "---|" * 10]
     for pt in results["points"]:
         runs = pt["runs"]
         d50, d99 = _agg(runs["direct"], "ttft_p50_ms"), _agg(runs["direct"], "ttft_p99_ms")
@@ -119,7 +125,8 @@ def table(results: dict) -> str:
             out.append(f"| {pt['concurrency']} | {k} | {_agg(rs, 'ttft_p50_ms') - d50:+.1f} | "
                        f"{_agg(rs, 'ttft_p99_ms') - d99:+.1f} | {_agg(rs, 'itl_p99_ms') - ditl:+.1f} | "
                        f"{_agg(rs, 'tok_per_s'):.0f} ({dtok:.0f}) | {_cpu(rs):.2f} | "
-                       f"{sum(r['errors'] for r in rs)} | {statistics.mean(r['loadavg'] for r in rs):.1f} |")
+                       f"{sum(r['errors'] for r in rs)} | {statistics.mean(r['loadavg'] for r in rs):.1f} | "
+                       f"{_steal(rs)} |")
     return "\n".join(out)
 
 

@@ -196,6 +196,7 @@ def run_load(url: str, *, concurrency: int | None, rate: float | None, duration:
     if unique:
         cmd.append("--unique-prompts")
     stages0 = router_stages(url) if "router" in watch else None
+    steal0 = steal_ticks()
     before = {k: p.cpu() for k, p in watch.items()}
     before_ticks = {k: p.cpu_ticks() for k, p in watch.items()}
     t0 = time.monotonic()
@@ -213,12 +214,31 @@ def run_load(url: str, *, concurrency: int | None, rate: float | None, duration:
     summary["cpu_s"] = {k: after[k] - before[k] for k in watch}  # scheduler runtime (runtime_s)
     summary["cpu_ticks_s"] = {k: after_ticks[k] - before_ticks[k] for k in watch}  # utime + stime
     summary["run_wall_s"] = wall
+    steal1 = steal_ticks()
+    # the hypervisor's share of each core during the run (0 on a quiet host; this VM's host is
+    # shared, and a core stolen for milliseconds at a time shows in every latency figure)
+    summary["steal_pct"] = {c: 100 * (steal1[c] - steal0.get(c, 0)) / TICKS / wall for c in steal1}
     if stages0 is not None:
         stages1 = router_stages(url)
         summary["router_stages_ms"] = {
             k: 1e3 * (s1 - stages0[k][0]) / (n1 - stages0[k][1])
             for k, (s1, n1) in stages1.items() if k in stages0 and n1 > stages0[k][1]}
     return summary
+
+
+def steal_ticks() -> dict[str, int]:
+    """Steal time per core (clock ticks) from /proc/stat; {} where there is none."""
+    out = {}
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("cpu") and line[3].isdigit():
+                    fields = line.split()
+                    if len(fields) > 8:
+                        out[fields[0]] = int(fields[8])
+    except OSError:
+        pass
+    return out
 
 
 STAGES = {"pd_router_tokenize_seconds": "tokenize", "pd_router_prefill_leg_seconds": "prefill_leg",

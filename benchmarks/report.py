@@ -129,8 +129,15 @@ def details(results: dict) -> str:
                 f"{_ms(x['router_cpu_ticks_ms_per_req'], False)}); fakes "
                 f"{_pct(r['cpu_s'].get('fakes', 0) / r['run_wall_s'])}, loadgen "
                 f"{_pct(r['loadgen_cpu_s'] / r['run_wall_s'])}; errors {r['errors']}/{d['errors']}"
-                + _stages(r.get("router_stages_ms")))
+                + _steal(d, r) + _stages(r.get("router_stages_ms")))
     return "\n".join(out)
+
+
+def _steal(*runs: dict) -> str:
+    """The most the hypervisor took from any core during the pair's runs: a number above a
+    few % means that point's latencies measure the host, not the router."""
+    worst = max((v for r in runs for v in (r.get("steal_pct") or {}).values()), default=None)
+    return "" if worst is None else f"; steal {worst:.0f}%"
 
 
 def _stages(stages: dict | None) -> str:

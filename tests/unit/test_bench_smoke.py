@@ -112,3 +112,57 @@ def test_wakeup_floor_prints_one_row_per_server(capsys):
     names = [r.split(" | ")[0].strip("| ") for r in rows]
     assert names[-1] == "uvloop" and set(names) <= {"c-epoll", "uvloop"}
     assert all(float(r.split(" | ")[1]) > 0 for r in rows)
+
+
+def test_details_show_steal_and_the_router_stage_means():
+    direct = {**_summary(20.0, 11.0, 6400.0), "steal_pct": {"cpu0": 1.0, "cpu1": 4.0}}
+    router = {**_summary(23.0, 12.0, 6400.0), "steal_pct": {"cpu0": 31.4, "cpu1": 2.0},
+              "router_stages_ms": {"tokenize": 0.1, "prefill_leg": 21.0, "handoff": 0.8}}
+    line = report.details({"modes": {"pull": {"points": [
+        {"kind": "closed", "concurrency": 64, "rate": None, "direct": direct, "router": router}]}}})
+    assert "; steal 31%" in line
+    assert line.endswith("router means tokenize 0.10, prefill_leg 21.00, handoff 0.80 ms")
+    bare = report.details({"modes": {"pull": {"points": [
+        {"kind": "closed", "concurrency": 1, "rate": None, "direct": _summary(20.0, 11.0, 96.0),
+         "router": _summary(21.0, 11.0, 96.0)}]}}})
+    assert "steal" not in bare and "router means" not in bare
+
+
+def test_router_stages_and_steal_come_from_real_sources():
+    """harness.router_stages parses a real Prometheus exposition (prometheus_client's own) over
+    HTTP; harness.steal_ticks reads this machine's /proc/stat."""
+    import http.server
+    import threading
+
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from benchmarks import harness
+
+    reg = CollectorRegistry()
+    leg = Histogram("pd_router_prefill_leg_seconds", "x", ["mode"], registry=reg)
+    leg.labels("pull").observe(0.020)
+    leg.labels("push").observe(0.030)
+    Histogram("pd_router_tokenize_seconds", "x", registry=reg).observe(0.0001)
+    Histogram("pd_router_other_seconds", "x", registry=reg).observe(1.0)
+    text = generate_latest(reg)
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        got = harness.router_stages(f"http://127.0.0.1:{srv.server_address[1]}")
+    finally:
+        srv.shutdown()
+    assert set(got) == {"prefill_leg", "tokenize"}
+    assert got["prefill_leg"] == (pytest.approx(0.050), 2.0)
+    assert got["tokenize"] == (pytest.approx(0.0001), 1.0)
+    steal = harness.steal_ticks()
+    assert steal and all(k.startswith("cpu") and v >= 0 for k, v in steal.items())
