@@ -278,7 +278,8 @@ class _Splice:
     `data_received` (router/h1.py), so a token chunk costs no task wake-up."""
 
     __slots__ = ("outcome", "stream", "tally", "itl", "write", "flow", "t0", "fix", "strip", "pending",
-                 "seen_done", "backlog", "details", "holds", "ended", "helpers", "clock", "fast", "slowed")
+                 "seen_done", "backlog", "details", "holds", "ended", "helpers", "clock", "fast", "slowed",
+                 "last", "held")
 
     def __init__(self, outcome: Outcome, job: Job, tally: Tally, itl_hist, write, flow, ended: asyncio.Future,
                  fast=None):
@@ -301,6 +302,11 @@ class _Splice:
         self.clock = time.perf_counter
         self.fast = fast  # a router._splice.Relay: it keeps the TTFT/ITL numbers (fast reads and ours)
         self.slowed = False  # a usage event was seen: every later read goes through `_slow`
+        # `write.last(chunk)`, where the writer has one (router/server.py): the events with
+        # [DONE] wait in `held` for the end of the body, to go out with it in one write; if the
+        # end is not in the same read they go out on the loop's next turn (`flush_held`).
+        self.last = getattr(write, "last", None)
+        self.held: bytes | None = None
 
     def on_chunk(self, chunk: bytes) -> None:
         """One read's worth of the engine's body (router/h1.py joins the HTTP chunks of a read)."""
@@ -323,17 +329,33 @@ class _Splice:
 
     def _send(self, chunk: bytes, quiet: int) -> None:
         events, done = token_events(chunk, quiet)
-        if done:
-            self.seen_done = True
         fast = self.fast
         if fast is not None:
             if fast.tick(events):
                 self._take_itl()
         else:
             self.tally.tick(self.clock(), self.t0, self.itl, events)
+        if self.held is not None:
+            self.flush_held()
+        if done:
+            self.seen_done = True
+            if self.last is not None:
+                self.held = chunk
+                if fast is not None:
+                    self.stream.stop_fast()  # anything after [DONE] comes after it, through here
+                asyncio.get_running_loop().call_soon(self.flush_held)
+                return
         self.write(chunk)
         if self.flow.write_paused:
             self._paused()
+
+    def flush_held(self) -> None:
+        chunk = self.held
+        if chunk is not None:
+            self.held = None
+            self.write(chunk)
+            if self.flow.write_paused:
+                self._paused()
 
     def _paused(self) -> None:
         self._hold()
@@ -390,9 +412,13 @@ class _Splice:
         if self.ended.done():
             return
         if self.pending:
+            self.flush_held()
             self.write(self.pending)
             self.pending = b""
         if self.seen_done or (self.fast is not None and self.fast.seen_done):
+            if self.held is not None:
+                chunk, self.held = self.held, None
+                self.last(chunk)
             self.ended.set_result(None)
         else:
             self.ended.set_exception(UpstreamError("decode instance ended the stream early (no [DONE])",
@@ -459,14 +485,19 @@ async def splice(outcome: Outcome, job: Job, tally: Tally, itl_hist, finish, wri
     sp = _Splice(outcome, job, tally, itl_hist, write, flow, ended, _fast_relay(outcome, job, itl_hist, flow, transport))
     try:
         sp.on_chunk(outcome.body)
+        flush_head = getattr(write, "flush_head", None)
+        if flush_head is not None:
+            flush_head()  # the head went with the first chunk, or goes now: before any C write
         stream = outcome.stream
         stream.attach(sp.on_chunk, sp.on_end, sp.on_error)
-        if sp.fast is not None and not (sp.slowed or sp.pending or sp.backlog is not None):
+        if sp.fast is not None and not (sp.slowed or sp.pending or sp.backlog is not None or sp.held):
             stream.start_fast(sp.fast, sp.on_fast_flags)  # on an event boundary: C takes whole-chunk reads
         await ended
+        sp.flush_held()
     except RouterError as exc:
         tally.outcome = "timeout" if exc.status == 504 else "upstream_error"
         tally.error = exc
+        sp.flush_held()
         write(sse_error_event(exc))
     except BaseException:
         tally.outcome = "cancelled"

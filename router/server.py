@@ -148,24 +148,14 @@ class RouterHttpProtocol(HttpToolsProtocol):
         head = self._head(cycle, 200, response.raw_headers)
         head += (_CHUNKED, b"\r\n")
         cycle.response_started = True
-        transport = self.transport
-        transport.write(b"".join(head))
-
-        def write(chunk: bytes) -> None:
-            # Runs inside the engine connection's data_received: the client may have left since
-            # (its connection_lost has cancelled this task, which has not run yet). uvloop raises
-            # on a write to a closed transport, so check first; the chunk has nowhere to go.
-            if not transport.is_closing():
-                transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-
+        writer = _ChunkWriter(self.transport, b"".join(head))
         self._hot_gone = False
         self._hot_task = asyncio.current_task()
         try:
-            await splice(*response.args, write, self.flow, transport)
+            await splice(*response.args, writer, self.flow, self.transport)
         finally:
             self._hot_task = None
-        if not transport.is_closing():
-            transport.write(_LAST_CHUNK)
+        writer.end()
         self._complete(cycle)
 
     @staticmethod
@@ -181,6 +171,45 @@ class RouterHttpProtocol(HttpToolsProtocol):
 
 
 _HOOKS_PRESENT = all(hasattr(HttpToolsProtocol, name) for name in ("_start_asgi_task", "connection_lost"))
+
+
+class _ChunkWriter:
+    """Chunk-frames a streamed answer onto the client's transport (`relay.splice` calls it with
+    each read's worth of events). Two writes per request are saved: the response head goes out
+    with the first chunk (`flush_head` sends it alone before anything else may write, e.g. the
+    C relay), and `last` sends the final events (the one with [DONE]) together with the end of
+    the body when both are in hand at once, as they usually are."""
+
+    __slots__ = ("transport", "head", "ended")
+
+    def __init__(self, transport, head: bytes) -> None:
+        self.transport, self.head, self.ended = transport, head, False
+
+    def __call__(self, chunk: bytes) -> None:
+        # Runs inside the engine connection's data_received: the client may have left since
+        # (its connection_lost has cancelled the task, which has not run yet). uvloop raises
+        # on a write to a closed transport, so check first; the chunk has nowhere to go.
+        if not self.transport.is_closing():
+            frame = b"%x\r\n%b\r\n" % (len(chunk), chunk)
+            if self.head:
+                frame, self.head = self.head + frame, b""
+            self.transport.write(frame)
+
+    def flush_head(self) -> None:
+        if self.head and not self.transport.is_closing():
+            self.transport.write(self.head)
+        self.head = b""
+
+    def last(self, chunk: bytes) -> None:
+        """The final chunk and the end of the body, in one write."""
+        if not self.transport.is_closing():
+            self.transport.write(b"%b%x\r\n%b\r\n%b" % (self.head, len(chunk), chunk, _LAST_CHUNK))
+        self.head, self.ended = b"", True
+
+    def end(self) -> None:
+        if not self.ended and not self.transport.is_closing():
+            self.transport.write(self.head + _LAST_CHUNK)
+        self.head, self.ended = b"", True
 
 
 def _router_app(app):

@@ -179,9 +179,13 @@ class _FakeStream:
     """Stands in for h1.Stream: delivers queued chunks by callback, one per loop turn, while
     not paused; records pauses and close."""
 
-    def __init__(self, chunks: list[bytes], end: bool = True):
+    def __init__(self, chunks: list[bytes], end: bool = True, end_with_last: bool = False, error=None,
+                 burst: bool = False):
+        self.burst = burst  # all chunks in one loop turn (as a held-back backlog is replayed)
         self.chunks = list(chunks)
         self.end = end
+        self.end_with_last = end_with_last  # the last read holds the end of the body too
+        self.error = error  # delivered instead of the end
         self.reads = 0
         self.closed = False
         self.paused = False
@@ -198,7 +202,13 @@ class _FakeStream:
         if self.chunks:
             self.reads += 1
             on_chunk(self.chunks.pop(0))
-            asyncio.get_running_loop().call_soon(self._tick)
+            while self.burst and self.chunks:
+                on_chunk(self.chunks.pop(0))
+            if self.chunks or not self.end_with_last:
+                asyncio.get_running_loop().call_soon(self._tick)
+                return
+        if self.error is not None:
+            self.cbs[2](self.error)
         elif self.end:
             on_end()
 
@@ -280,6 +290,86 @@ async def test_splice_usage_rewrite_strip_itl_batch_and_truncation():
                written.append, flow)
     assert b'"truncated_stream"' in written[-1] and written[-1].endswith(b"data: [DONE]\n\n")
     assert done[0].outcome == "upstream_error" and stream.closed
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def _frame(b: bytes) -> bytes:
+    return b"%x\r\n%b\r\n" % (len(b), b)
+
+
+HEAD = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("same_read", [True, False])
+async def test_splice_writes_head_with_first_chunk_and_done_with_the_end(same_read):
+    """The server's writer saves two writes per stream: the head goes with the first chunk, and
+    the [DONE] events with the end of the body when that is in the same read (else they go
+    out on the next loop turn and the end after them). The bytes are the same either way."""
+    from router.server import _LAST_CHUNK, _ChunkWriter
+
+    t = _Transport()
+    writer = _ChunkWriter(t, HEAD)
+    stream = _FakeStream([_event(1), _event(2) + DONE], end_with_last=same_read)
+    done: list = []
+    await splice(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(),
+                 Metrics().itl.labels("direct", "none"), done.append, writer, _Flow())
+    writer.end()
+    body = [_frame(_event(0)), _frame(_event(1)), _frame(_event(2) + DONE)]
+    if same_read:
+        assert t.writes == [HEAD + body[0], body[1], body[2] + _LAST_CHUNK]
+    else:
+        assert t.writes == [HEAD + body[0], body[1], body[2], _LAST_CHUNK]
+    assert done[0].outcome == "ok" and done[0].chunks == 3
+    writer.end()
+    assert len(t.writes) == (3 if same_read else 4)  # the end is written once
+
+
+async def test_splice_writer_order_with_empty_first_body_late_events_and_errors():
+    from router.errors import UpstreamError
+    from router.server import _LAST_CHUNK, _ChunkWriter
+
+    hist = Metrics().itl.labels("direct", "none")
+    # nothing in the first read: the head goes alone, before anything else
+    t = _Transport()
+    writer = _ChunkWriter(t, HEAD)
+    await splice(Outcome(decode=None, body=b"", stream=_FakeStream([_event(1) + DONE], end_with_last=True)),
+                 _job(), Tally(), hist, [].append, writer, _Flow())
+    writer.end()
+    assert t.writes == [HEAD, _frame(_event(1) + DONE) + _LAST_CHUNK]
+
+    # an event after [DONE] (a misbehaving engine) still comes after it, in the next loop turn or
+    # in the same one
+    for burst in (False, True):
+        t = _Transport()
+        writer = _ChunkWriter(t, HEAD)
+        stream = _FakeStream([DONE, _event(7)], end_with_last=True, burst=burst)
+        await splice(Outcome(decode=None, body=_event(0), stream=stream), _job(), Tally(), hist, [].append,
+                     writer, _Flow())
+        writer.end()
+        assert b"".join(t.writes) == HEAD + _frame(_event(0)) + _frame(DONE) + _frame(_event(7)) + _LAST_CHUNK
+
+    # the engine's connection breaks after [DONE], before the end of the body: [DONE], then the error event
+    t = _Transport()
+    writer = _ChunkWriter(t, HEAD)
+    err = UpstreamError("decode instance closed the connection", stage="decode", code="connection_lost")
+    done: list = []
+    await splice(Outcome(decode=None, body=_event(0), stream=_FakeStream([DONE], end_with_last=True, error=err)),
+                 _job(), Tally(), hist, done.append, writer, _Flow())
+    writer.end()
+    text = b"".join(t.writes)
+    assert text.index(_frame(DONE)) < text.index(b"connection_lost") and text.endswith(_LAST_CHUNK)
+    assert done[0].outcome == "upstream_error"
 
 
 async def test_splice_cancelled_closes_stream_and_finishes():
