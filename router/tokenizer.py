@@ -6,9 +6,10 @@ itself (a future, a queue, two wake-ups; docs/performance.md), and on the router
 the thread runs in the same CPU time anyway. Longer prompts (a 16k-token one takes ~20 ms)
 go to the thread pool, so they never stall other requests' streams.
 
-Plain-ASCII text through a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen 2 shapes) is counted
-by `PieceCounter`: the tokenizer's own pre-tokenizer pieces, each piece's count cached, checked
-equal to the tokenizer on probe texts; ~5x cheaper than encoding. Everything else is encoded.
+Short plain-ASCII prompts through a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen 2 shapes) are
+counted by `PieceCounter`: the tokenizer's own pre-tokenizer pieces, each piece's count cached,
+checked equal to the tokenizer on probe texts; ~4.5x cheaper than encoding. Everything else is
+encoded by the tokenizer (long prompts too: in the threads, where it releases the GIL).
 
 Counts follow vLLM's own rules so the threshold sees what the engine sees:
 completions encode the prompt with special tokens; chat renders the chat template
@@ -158,7 +159,8 @@ class TokenCounter:
         if _inline_size(kind, body) <= self.inline_chars:
             n = _count(self._tok, kind, body)
         else:
-            n = await asyncio.get_running_loop().run_in_executor(self._pool, _count, self._tok, kind, body)
+            # the tokenizer releases the GIL while it encodes; the piece counter would not
+            n = await asyncio.get_running_loop().run_in_executor(self._pool, _count, self._tok, kind, body, False)
         self._cache[key] = n
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -400,12 +402,14 @@ _PIECE_PROBES = ("", "a", "Hello, world!", " leading space", "tabs\tand\nnewline
 _COUNTERS: dict[int, object] = {}
 
 
-def _encode_len(tok, text: str, add_special_tokens: bool) -> int:
+def _encode_len(tok, text: str, add_special_tokens: bool, by_pieces: bool = True) -> int:
+    """`by_pieces`: may use the PieceCounter (Python, holds the GIL: for prompts counted on the
+    event loop); else the tokenizer itself (GIL released: for the tokenizer threads)."""
     counters = _COUNTERS.get(id(tok))
     if counters is None:
         counters = _COUNTERS[id(tok)] = (PieceCounter.from_tokenizer(tok), _fast_counter(tok))
     pieces, fast = counters
-    if pieces is not None and fast is not None:  # both agree with the reference on the probes
+    if by_pieces and pieces is not None and fast is not None:  # both agree with the reference
         try:
             n = pieces.count(text, add_special_tokens)
         except _Gap:
@@ -417,24 +421,24 @@ def _encode_len(tok, text: str, add_special_tokens: bool) -> int:
     return fast(text, add_special_tokens)
 
 
-def _count(tok, kind: str, body: dict) -> int:
+def _count(tok, kind: str, body: dict, by_pieces: bool = True) -> int:
     if kind == "chat":
-        return _render_chat(tok, body)
+        return _render_chat(tok, body, by_pieces)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        return _encode_len(tok, prompt, True)
+        return _encode_len(tok, prompt, True, by_pieces)
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
         if isinstance(first, int):
             return len(prompt)
         if isinstance(first, str):
-            return _encode_len(tok, first, True)
+            return _encode_len(tok, first, True, by_pieces)
         if isinstance(first, list):
             return len(first)
     raise BadRequest("prompt must be a string, a list of strings or a list of token ids", param="prompt")
 
 
-def _render_chat(tok, body: dict) -> int:
+def _render_chat(tok, body: dict, by_pieces: bool = True) -> int:
     """Token count of the chat template applied to the messages."""
     messages = [_normalise_message(m) for m in body["messages"]]
     kwargs = dict(body.get("chat_template_kwargs") or {})
@@ -449,7 +453,7 @@ def _render_chat(tok, body: dict) -> int:
         )
     except Exception as exc:  # template errors are the request's fault
         raise BadRequest(f"chat template failed for these messages: {exc}", param="messages") from None
-    return _encode_len(tok, text, False)
+    return _encode_len(tok, text, False, by_pieces)
 
 
 def _normalise_message(m: dict) -> dict:
