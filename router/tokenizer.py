@@ -327,6 +327,8 @@ class PieceCounter:
                 if a.get("single_word") or a.get("lstrip") or a.get("rstrip") or not a.get("content"):
                     return None
                 added.append(a["content"])
+            if len({bool(a.get("normalized")) for a in spec.get("added_tokens") or []}) > 1:
+                return None  # tokenizers splits at the two kinds in two passes; one pass is exact for one kind
             one = len(backend.encode_batch_fast(["a"], add_special_tokens=False)[0].ids)
             specials = len(backend.encode_batch_fast(["a"], add_special_tokens=True)[0].ids) - one
             counter = cls(backend.model, pattern, added, specials)

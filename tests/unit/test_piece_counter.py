@@ -122,6 +122,19 @@ def test_encode_len_uses_pieces_and_falls_back(tiny_model_path, monkeypatch):
     assert T._count(tok, "chat", chat) == len(tok.encode(rendered, add_special_tokens=False))
 
 
+def test_normalized_added_tokens_count_exactly(tiny_model_path):
+    """GPT-2's own tokenizer marks its special token `normalized`: all of one kind is fine."""
+    spec = json.loads((tiny_model_path / "tokenizer.json").read_text())
+    added = [{**a, "normalized": True} for a in spec["added_tokens"]]
+    bytelevel = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    tok = _variant(tiny_model_path, bytelevel, added=added)
+    counter = PieceCounter.from_tokenizer(tok)
+    assert counter is not None
+    for text in ("a<|endoftext|>b", "<|im_start|>user\nhi<|im_end|>\n", "x <|im_end|><|im_end|> y"):
+        for special in (True, False):
+            assert counter.count(text, special) == _exact(tok, text, special), text
+
+
 def test_other_tokenizer_shapes_get_no_piece_counter(tiny_model_path):
     path = tiny_model_path
     bytelevel = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
@@ -136,6 +149,12 @@ def test_other_tokenizer_shapes_get_no_piece_counter(tiny_model_path):
         "lstrip added token": _variant(path, bytelevel, added=[
             {"id": 0, "content": "<|endoftext|>", "single_word": False, "lstrip": True, "rstrip": False,
              "normalized": False, "special": True}]),
+        # added tokens of both kinds: tokenizers matches them in two passes
+        "mixed added tokens": _variant(path, bytelevel, added=[
+            {"id": 0, "content": "<|endoftext|>", "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True},
+            {"id": 1, "content": "<|im_start|>", "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": True, "special": True}]),
         # a regex that leaves gaps (digits): the probes disagree, so it is not used
         "gaps": _variant(path, _split_bytelevel(r" ?\p{L}+|\s+|[^\s\p{L}\p{N}]+")),
     }
