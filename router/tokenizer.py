@@ -347,16 +347,25 @@ class PieceCounter:
     def count(self, text: str, add_special_tokens: bool) -> int | None:
         if _NOT_PLAIN.search(text) is not None:
             return None
-        n = self._specials if add_special_tokens else 0
-        if self._added is not None and any(c in text for c in self._added_first):
-            pos = 0
+        if self._added is None or not any(c in text for c in self._added_first):
+            stretches, n = [text], 0
+        else:  # the added tokens in it: one token each, the stretches between them by pieces
+            stretches, pos = [], 0
             for m in self._added.finditer(text):
-                n += self._pieces(text[pos:m.start()]) + 1
+                stretches.append(text[pos:m.start()])
                 pos = m.end()
-            return n + self._pieces(text[pos:])
-        return n + self._pieces(text)
+            stretches.append(text[pos:])
+            n = len(stretches) - 1
+        for stretch in stretches:
+            c = self._pieces(stretch)
+            if c is None:
+                return None
+            n += c
+        return n + (self._specials if add_special_tokens else 0)
 
-    def _pieces(self, text: str) -> int:
+    def _pieces(self, text: str) -> int | None:
+        """Tokens of a stretch without added tokens; None if the regex leaves a gap (the
+        tokenizer keeps gaps as pieces of their own; this counter does not take them)."""
         cache = self._cache
         n = covered = 0
         for piece in self._split(text):
@@ -368,13 +377,7 @@ class PieceCounter:
                     cache.clear()
                 cache[piece] = c
             n += c
-        if covered != len(text):  # the regex left a gap: the tokenizer keeps gaps as pieces
-            raise _Gap
-        return n
-
-
-class _Gap(Exception):
-    pass
+        return n if covered == len(text) else None
 
 
 def _piece_pattern(pre: dict | None) -> str | None:
@@ -412,10 +415,7 @@ def _encode_len(tok, text: str, add_special_tokens: bool, by_pieces: bool = True
         counters = _COUNTERS[id(tok)] = (PieceCounter.from_tokenizer(tok), _fast_counter(tok))
     pieces, fast = counters
     if by_pieces and pieces is not None and fast is not None:  # both agree with the reference
-        try:
-            n = pieces.count(text, add_special_tokens)
-        except _Gap:
-            n = None
+        n = pieces.count(text, add_special_tokens)
         if n is not None:
             return n
     if fast is None:
