@@ -453,10 +453,9 @@ class Pool:
             self._tls = _ssl.create_default_context()
         return self._tls
 
-    async def acquire(self, host: str, port: int, stage: str, tls: bool = False) -> tuple[Conn, bool]:
-        """(connection, reused): an idle pooled one if any is usable, else a new one."""
-        key = (host, port, tls)
-        idle = self._idle.get(key)
+    def take_idle(self, host: str, port: int, tls: bool = False) -> Conn | None:
+        """An idle pooled connection that is still usable, or None."""
+        idle = self._idle.get((host, port, tls))
         if idle:
             now = asyncio.get_running_loop().time()
             while idle:
@@ -464,7 +463,15 @@ class Pool:
                 if conn.lost or conn.transport.is_closing() or now - conn.idle_since > self.idle_s:
                     conn.transport.close()
                     continue
-                return conn, True
+                return conn
+        return None
+
+    async def acquire(self, host: str, port: int, stage: str, tls: bool = False) -> tuple[Conn, bool]:
+        """(connection, reused): an idle pooled one if any is usable, else a new one."""
+        conn = self.take_idle(host, port, tls)
+        if conn is not None:
+            return conn, True
+        key = (host, port, tls)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.connect_timeout):
@@ -512,30 +519,59 @@ def request_head(method: str, path: str, hostport: str, headers: dict[str, str],
     return "".join(lines).encode("latin-1")
 
 
-async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
-                      headers: dict[str, str], *, timeout: float | None, stage: str, tls: bool = False) -> Stream:
-    """Send a request and wait for the answer's status line and headers (within `timeout`).
-
-    A pooled connection that the engine closed before answering (its keep-alive timer and
-    our reuse crossed) is retried once on a new connection: the engine produced nothing.
-    """
+def _prepare(method: str, host: str, port: int, path: str, body: bytes | None,
+             headers: dict[str, str]) -> tuple[bytes, bytes | None]:
+    """The request's head (with a small body appended) and the body left to write, if any."""
     head = request_head(method, path, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}", headers,
                         None if body is None else len(body))
     if body:
         if len(body) < 65536:
-            head, body = head + body, None
-    else:
-        body = None
+            return head + body, None
+        return head, body
+    return head, None
+
+
+def _send(conn: Conn, head: bytes, body: bytes | None, stage: str, loop: asyncio.AbstractEventLoop) -> Stream:
+    stream = Stream(conn, stage, loop)
+    conn.stream = stream
+    conn.got_bytes = False
+    conn.at_boundary = False
+    conn.transport.write(head)
+    if body is not None:
+        conn.transport.write(body)
+    return stream
+
+
+def start(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
+          headers: dict[str, str], *, stage: str, tls: bool = False) -> Stream | None:
+    """Send a request now, without yielding to the loop, on an idle pooled connection (None when
+    there is none: then `open_stream` connects). Hand the stream to `open_stream(started=...)`
+    (or `aclose()` it)."""
+    conn = pool.take_idle(host, port, tls)
+    if conn is None:
+        return None
+    head, rest = _prepare(method, host, port, path, body, headers)
+    return _send(conn, head, rest, stage, asyncio.get_running_loop())
+
+
+async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
+                      headers: dict[str, str], *, timeout: float | None, stage: str, tls: bool = False,
+                      started: Stream | None = None) -> Stream:
+    """Send a request and wait for the answer's status line and headers (within `timeout`).
+    `started`: the same request already sent by `start` (then it is not sent again).
+
+    A pooled connection that the engine closed before answering (its keep-alive timer and
+    our reuse crossed) is retried once on a new connection: the engine produced nothing.
+    """
     loop = asyncio.get_running_loop()
     for attempt in range(2):
-        conn, reused = await pool.acquire(host, port, stage, tls)
-        stream = Stream(conn, stage, loop)
-        conn.stream = stream
-        conn.got_bytes = False
-        conn.at_boundary = False
-        conn.transport.write(head)
-        if body is not None:
-            conn.transport.write(body)
+        if started is not None:
+            stream, started = started, None
+            conn, reused = stream.conn, True
+        else:
+            head, rest = _prepare(method, host, port, path, body, headers)
+            conn, reused = await pool.acquire(host, port, stage, tls)
+            stream = _send(conn, head, rest, stage, loop)
         try:
             await stream.head(timeout)
         except UpstreamError as exc:
@@ -551,11 +587,12 @@ async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, 
 
 async def fetch(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
                 headers: dict[str, str], *, timeout: float | None, stage: str,
-                tls: bool = False) -> tuple[int, bytes, Stream]:
+                tls: bool = False, started: Stream | None = None) -> tuple[int, bytes, Stream]:
     """A whole exchange within `timeout`: (status, body, the finished stream for its headers)."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
-    stream = await open_stream(pool, method, host, port, path, body, headers, timeout=timeout, stage=stage, tls=tls)
+    stream = await open_stream(pool, method, host, port, path, body, headers, timeout=timeout, stage=stage, tls=tls,
+                               started=started)
     try:
         if deadline is not None:
             stream.expire_at(deadline, f"{stage} instance did not answer within {timeout:g}s")

@@ -52,18 +52,27 @@ class Upstream:
             target = self._targets[url] = _split(url)
         return target
 
+    def start(self, url: str, body: bytes, headers: dict, *, stage: str) -> Stream | None:
+        """POST now, before this task yields, if an idle keep-alive connection to `url` is at hand
+        (else None). Pass the result as `started=` to `post` or `open_stream` with the same
+        arguments, which then wait for its answer instead of sending the request."""
+        tls, host, port, path = self._target(url)
+        return h1.start(self.pool, "POST", host, port, path, body, headers, stage=stage, tls=tls)
+
     async def request(self, method: str, url: str, *, body: bytes | None = None, headers: dict | None = None,
-                      timeout: float | None = None, stage: str = "decode") -> Reply:
+                      timeout: float | None = None, stage: str = "decode", started: Stream | None = None) -> Reply:
         """A whole (non-streaming) exchange within `timeout`. Returns any status; raises on
         transport failure or timeout."""
         tls, host, port, path = self._target(url)
         status, data, stream = await h1.fetch(self.pool, method, host, port, path, body, headers or {},
-                                              timeout=timeout, stage=stage, tls=tls)
+                                              timeout=timeout, stage=stage, tls=tls, started=started)
         return Reply(status, data, stream)
 
-    async def post(self, url: str, body: bytes, headers: dict, *, timeout: float | None, stage: str) -> Reply:
+    async def post(self, url: str, body: bytes, headers: dict, *, timeout: float | None, stage: str,
+                   started: Stream | None = None) -> Reply:
         """POST JSON; an error status raises UpstreamStatus."""
-        reply = await self.request("POST", url, body=body, headers=headers, timeout=timeout, stage=stage)
+        reply = await self.request("POST", url, body=body, headers=headers, timeout=timeout, stage=stage,
+                                   started=started)
         if reply.status != 200:
             raise UpstreamStatus(reply.status, reply.body, stage=stage)
         return reply

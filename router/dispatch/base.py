@@ -206,12 +206,22 @@ def check_first_event(first: bytes) -> str | None:
     return None
 
 
+def start_prefill(env: Env, job: Job, inst: Instance, body: bytes,
+                  headers: dict[str, str] | None = None) -> Stream | None:
+    """Send a prefill leg now, before the caller yields (None when no idle connection to P is at
+    hand); give the result to `prefill_leg(..., started=)` with the same arguments."""
+    return env.upstream.start(inst.url + job.path, body, {**env.headers("prefill", job), **(headers or {})},
+                              stage="prefill")
+
+
 async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes,
-                      headers: dict[str, str] | None = None) -> dict:
-    """Send a prefill leg and return P's JSON answer. `headers` override the standard ones."""
-    t = time.perf_counter()
+                      headers: dict[str, str] | None = None, started: Stream | None = None,
+                      t_sent: float | None = None) -> dict:
+    """Send a prefill leg (unless `started` by `start_prefill` at `t_sent`) and return P's JSON
+    answer. `headers` override the standard ones."""
+    t = time.perf_counter() if t_sent is None else t_sent
     reply = await env.upstream.post(inst.url + job.path, body, {**env.headers("prefill", job), **(headers or {})},
-                                    timeout=env.settings.prefill_timeout, stage="prefill")
+                                    timeout=env.settings.prefill_timeout, stage="prefill", started=started)
     env.metrics.prefill_leg.labels(env.settings.mode).observe(time.perf_counter() - t)
     try:
         doc = orjson.loads(reply.body)

@@ -21,7 +21,7 @@ import time
 import uuid
 
 from router.dispatch.base import (PREFILL_KV_PARAMS, Env, Job, Outcome, count_error, decode_body, decode_leg,
-                                  is_retryable, prefill_body, prefill_leg)
+                                  is_retryable, prefill_body, prefill_leg, start_prefill)
 from router.dispatch.direct import run_decode_only
 from router.errors import RouterError, UpstreamError, UpstreamTimeout
 from router.registry import Instance
@@ -97,52 +97,61 @@ class PushDispatch:
         return p_body, None, decode_body(job.body, push_decode_params(p, job, transfer_id)), None
 
     async def _pair(self, job: Job, p: Instance, d: Instance) -> Outcome:
+        """Both legs at once. The decode leg runs in this task (its first token is relayed with no
+        task hand-off in between); the prefill leg is a task watched by `_Watch`, which
+        interrupts the decode leg when P fails, or when P answered and D stays silent too long."""
         env = self.env
         p_body, p_headers, d_body, d_headers = self._legs(job, p, d)
         release_p = env.lease(p)
         release_d = env.lease(d)
         t_launch = time.perf_counter()
-        p_task = asyncio.create_task(prefill_leg(env, job, p, p_body, p_headers), name=f"push-prefill-{job.request_id}")
-        d_task = asyncio.create_task(decode_leg(env, job, d, d_body, d_headers), name=f"push-decode-{job.request_id}")
+        p_started = start_prefill(env, job, p, p_body, p_headers)  # P first, now (the task runs next turn)
+        p_task = asyncio.create_task(prefill_leg(env, job, p, p_body, p_headers, p_started, t_launch),
+                                     name=f"push-prefill-{job.request_id}")
+        p_task.add_done_callback(lambda t: self._prefill_done(t, p, release_p))  # P's accounting, always
+        grace = env.settings.push_decode_grace if job.stream else env.settings.request_timeout
+        watch = _Watch(asyncio.current_task(), grace)
+        p_task.add_done_callback(watch.prefill_done)
         try:
-            done, _ = await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
-            if p_task in done and p_task.exception() is not None:
-                exc = p_task.exception()
-                await _cancel(d_task)
-                self._fail(p, exc, "prefill")
-                raise exc
-            if d_task in done and d_task.exception() is not None:
-                exc = d_task.exception()
-                await _cancel(p_task)
-                self._fail(d, exc, "decode")
-                raise exc
-            if d_task not in done:
-                # P answered first: D must now produce its first byte within a bounded time.
-                env.record_result(p)
-                grace = env.settings.push_decode_grace if job.stream else env.settings.request_timeout
-                try:
-                    async with asyncio.timeout(grace):
-                        await asyncio.shield(d_task)
-                except TimeoutError:
-                    await _cancel(d_task)
-                    err = UpstreamTimeout(f"decode instance did not start within {grace:g}s after the prefill "
-                                          "answered (push never completed?)", stage="decode")
-                    count_error(env, err, "decode")
-                    raise err from None
-                except RouterError as exc:
-                    self._fail(d, exc, "decode")
-                    raise
-            stream, first = d_task.result()
-        except BaseException:
-            await _cancel(d_task)
-            await _cancel(p_task)
-            release_p()
+            try:
+                stream, first = await decode_leg(env, job, d, d_body, d_headers)
+            finally:
+                fired = watch.disarm()
+        except asyncio.CancelledError:
+            await _stop(p_task, p_started)
             release_d()
+            if fired is None or asyncio.current_task().uncancel() > 0:
+                raise  # the client left (or the router stops): not ours to turn into an error
+            raise self._fired(fired, p_task, grace) from None
+        except BaseException as exc:
+            if fired is not None:
+                asyncio.current_task().uncancel()
+            await _stop(p_task, p_started)
+            release_d()
+            if isinstance(exc, RouterError):
+                self._fail(d, exc, "decode")
             raise
+        if fired is None and p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
+            fired = _PREFILL_FAILED  # P failed in the turn D answered, before the watch heard of it
+        elif fired is not None:  # asked for, never delivered (cannot happen: it interrupts the leg)
+            asyncio.current_task().uncancel()
+        if fired is not None:
+            if stream is not None:
+                await stream.aclose()
+            await _stop(p_task, p_started)
+            release_d()
+            raise self._fired(fired, p_task, grace)
         env.record_result(d)
-        p_task.add_done_callback(lambda t: self._prefill_done(t, p, release_p))
         return Outcome(decode=d, body=first, stream=stream, prefill=p, prefill_reply=p_task, t_handoff=t_launch,
-                       cleanups=[release_d, lambda: _cancel(p_task)])
+                       cleanups=[release_d, lambda: _stop(p_task, p_started)])
+
+    def _fired(self, fired: str, p_task: asyncio.Task, grace: float | None) -> RouterError:
+        if fired == _PREFILL_FAILED:
+            return p_task.exception()  # counted by _prefill_done; D's leg is closed
+        err = UpstreamTimeout(f"decode instance did not start within {grace:g}s after the prefill "
+                              "answered (push never completed?)", stage="decode")
+        count_error(self.env, err, "decode")
+        return err
 
     def _prefill_done(self, task: asyncio.Task, p: Instance, release) -> None:
         release()
@@ -158,6 +167,53 @@ class PushDispatch:
         self.env.record_result(inst, exc)
         if isinstance(exc, RouterError):
             count_error(self.env, exc, stage)
+
+
+_PREFILL_FAILED, _DECODE_SILENT = "prefill_failed", "decode_silent"
+
+
+class _Watch:
+    """Interrupts a push pair's decode leg (by cancelling the task running it) when the prefill
+    leg fails, or when it answered and the decode leg has not answered `grace` seconds later.
+    `disarm()` (always, once the decode leg is over) returns what fired, if anything."""
+
+    __slots__ = ("task", "grace", "fired", "timer", "armed")
+
+    def __init__(self, task: asyncio.Task, grace: float | None):
+        self.task = task
+        self.grace = grace
+        self.fired: str | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.armed = True
+
+    def prefill_done(self, p_task: asyncio.Task) -> None:
+        if not self.armed or p_task.cancelled():
+            return
+        if p_task.exception() is not None:
+            self._fire(_PREFILL_FAILED)
+        elif self.grace:
+            self.timer = asyncio.get_running_loop().call_later(self.grace, self._fire, _DECODE_SILENT)
+
+    def _fire(self, what: str) -> None:
+        self.timer = None
+        if self.armed and self.fired is None:
+            self.fired = what
+            self.task.cancel()
+
+    def disarm(self) -> str | None:
+        self.armed = False
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        return self.fired
+
+
+async def _stop(p_task: asyncio.Task, started) -> None:
+    """Cancel the prefill leg; close its connection too when the task was cancelled before it
+    ever ran (a request sent by `start_prefill` that nothing else would close)."""
+    await _cancel(p_task)
+    if started is not None:
+        await started.aclose()
 
 
 async def _cancel(task: asyncio.Task) -> None:

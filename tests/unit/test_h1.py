@@ -131,6 +131,56 @@ async def test_a_pooled_connection_closed_before_the_answer_is_retried_once():
         await up.aclose()
 
 
+async def test_start_sends_on_an_idle_connection_before_yielding_and_is_not_resent():
+    """`start` (push's prefill leg): the request is written in the caller's step, on an idle
+    pooled connection only; `post(started=)` waits for that answer without a second write."""
+    async def handler(s, reader, writer, n):
+        while True:
+            body = await s.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+            await writer.drain()
+
+    async with Script(handler) as s:
+        up = Upstream()
+        url = f"http://127.0.0.1:{s.port}/x"
+        assert up.start(url, b"{}", {}, stage="prefill") is None  # nothing idle: no connection is made here
+        assert up.pool.opened == 0
+        assert (await up.post(url, b"{}", {}, timeout=5, stage="prefill")).status == 200
+        started = up.start(url, b'{"n":2}', {"x-request-id": "r2"}, stage="prefill")
+        assert started is not None and started.conn.transport.get_write_buffer_size() == 0  # already written
+        reply = await up.post(url, b'{"n":2}', {"x-request-id": "r2"}, timeout=5, stage="prefill", started=started)
+        assert reply.status == 200 and reply.body.endswith(b'{"n":2}')
+        assert b"x-request-id: r2" in reply.body
+        assert len(s.requests) == 2 and s.connections == 1 and up.pool.opened == 1
+        await up.aclose()
+
+
+async def test_a_started_request_on_a_stale_connection_is_retried_and_an_unused_one_closed():
+    async def handler(s, reader, writer, n):
+        await s.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        await writer.drain()
+        if n == 1:
+            await s.read_request(reader)  # the started request arrives, then the connection drops unanswered
+            return
+        await reader.read()
+
+    async with Script(handler) as s:
+        up = Upstream()
+        url = f"http://127.0.0.1:{s.port}/x"
+        assert (await up.post(url, b"{}", {}, timeout=5, stage="prefill")).body == b"ok"
+        started = up.start(url, b"{}", {}, stage="prefill")
+        assert started is not None
+        assert (await up.post(url, b"{}", {}, timeout=5, stage="prefill", started=started)).body == b"ok"
+        assert s.connections == 2 and len(s.requests) == 3
+        # a started request nobody waits for: aclose() closes its connection (never pooled)
+        unused = up.start(url, b"{}", {}, stage="prefill")
+        assert unused is not None
+        await unused.aclose()
+        assert unused.conn.transport.is_closing() and up.pool.take_idle("127.0.0.1", s.port) is None
+        await up.aclose()
+
+
 async def test_a_new_connection_dropped_before_the_answer_is_an_error_not_a_retry():
     async def handler(s, reader, writer, n):
         await s.read_request(reader)  # then close without answering

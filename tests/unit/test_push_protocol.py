@@ -130,3 +130,42 @@ async def test_short_prompts_in_push_mode_go_direct(tiny_model_path):
         assert r.status_code == 200
         assert completion_legs(ps[0]) == []
         await asyncio.sleep(0)
+
+
+async def test_a_prefill_leg_cancelled_before_its_task_ran_has_its_connection_closed():
+    """push sends P in the caller's step (`start_prefill`); if the pair is abandoned before the
+    prefill task's first step, nothing else would close that connection: `_stop` does."""
+    from router.dispatch.push import _stop
+    from router.upstream import Upstream
+
+    served = asyncio.Event()
+    closed = asyncio.Event()
+
+    async def serve(reader, writer):
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            n = int(next(v for k, v in (ln.split(b":", 1) for ln in head.split(b"\r\n")[1:] if b":" in ln)
+                         if k.strip().lower() == b"content-length"))
+            await reader.readexactly(n)
+            if served.is_set():  # the started request: never answered; wait for the router to hang up
+                if not await reader.read():
+                    closed.set()
+                return
+            served.set()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+            await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+    up = Upstream()
+    try:
+        await up.post(url, b"{}", {}, timeout=5, stage="prefill")  # leaves an idle connection
+        started = up.start(url, b"{}", {}, stage="prefill")
+        assert started is not None
+        task = asyncio.create_task(asyncio.sleep(30))  # stands for the prefill task: never ran
+        await _stop(task, started)
+        assert task.cancelled()
+        await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        await up.aclose()
+        server.close()
