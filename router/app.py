@@ -117,11 +117,20 @@ def _on_registry_change(m: Metrics, settings: Settings, event: str, inst) -> Non
         m.expiries.labels(inst.role).inc()
 
 
+GC_YOUNG_THRESHOLD = 10_000
+
+
 def _freeze_heap(_done=None) -> None:
     """Take what is alive once the tokenizer is loaded (modules, the tokenizer, the app: ~10^5
     objects) out of the cyclic GC's reach (`gc.freeze`), so a full collection under load scans
     only what requests created. A full collection of that start-up heap took 45-57 ms on these
-    machines (docs/performance.md), a pause that every open stream would see."""
+    machines (docs/performance.md), a pause that every open stream would see.
+
+    Then the youngest generation is collected every 10,000 net allocations of container
+    objects instead of 700: a request allocates a few hundred that its end frees by reference
+    counting, so at 700 the collector ran about every other request and scanned what the
+    requests in flight held (docs/performance.md, round 6)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 

@@ -8,7 +8,6 @@ A flag on the command line wins over the environment.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 

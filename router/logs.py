@@ -27,6 +27,26 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(doc).decode()
 
 
+class TextFormatter(logging.Formatter):
+    """logging.Formatter with UTC times, formatted once per second: the same text as
+    `formatTime`'s (`2026-11-30 01:02:03,456`), without a `strftime` for every access-log line."""
+
+    converter = time.gmtime
+
+    def __init__(self, fmt: str | None = None) -> None:
+        super().__init__(fmt)
+        self._stamp: tuple[int, str] = (-1, "")
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt:
+            return super().formatTime(record, datefmt)
+        sec = int(record.created)
+        stamp = self._stamp
+        if stamp[0] != sec:
+            stamp = self._stamp = (sec, time.strftime(self.default_time_format, self.converter(sec)))
+        return self.default_msec_format % (stamp[1], record.msecs)
+
+
 class BatchedStreamHandler(logging.StreamHandler):
     """A StreamHandler that collects lines and writes them every `interval` seconds (from the
     event loop of the thread that logged the first pending line), at WARNING and above, when
@@ -84,9 +104,7 @@ def setup_logging(level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        f = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-        f.converter = time.gmtime
-        handler.setFormatter(f)
+        handler.setFormatter(TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

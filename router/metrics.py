@@ -13,13 +13,71 @@ replicas behind a load balancer, so no multiprocess collector is needed.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from bisect import bisect_left
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, generate_latest
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 OUTCOMES = ("ok", "client_error", "upstream_error", "timeout", "cancelled", "overloaded")
 ORPHAN_REASONS = ("no_kv_params", "no_decode_instance", "cancelled")
+
+
+class _Value:
+    """prometheus_client's `MutexValue` without its lock. Every update of these metrics runs on
+    the router's event-loop thread (the tokenizer threads only count tokens), and the scrape
+    reads each float whole, so the lock bought nothing; with about twenty updates per request
+    it was the largest cost of the metrics (docs/performance.md, round 6)."""
+
+    __slots__ = ("_value", "_exemplar")
+    _multiprocess = False
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._exemplar = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self):
+        return self._exemplar
+
+
+class Counter(prometheus_client.Counter):
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _Value()
+
+
+class Gauge(prometheus_client.Gauge):
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._value = _Value()
+
+
+class Histogram(prometheus_client.Histogram):
+    def _metric_init(self) -> None:
+        super()._metric_init()
+        self._sum = _Value()
+        self._buckets = [_Value() for _ in self._upper_bounds]
+
+    def observe(self, amount: float, exemplar=None) -> None:
+        if exemplar or amount != amount or not self._is_observable():
+            super().observe(amount, exemplar)  # its checks and errors (NaN: no bucket, as upstream)
+            return
+        self._sum._value += amount
+        self._buckets[bisect_left(self._upper_bounds, amount)]._value += 1  # the first bound >= amount
 
 
 class Metrics:

@@ -65,3 +65,21 @@ def test_outside_an_event_loop_lines_are_written_at_once_and_close_flushes():
     assert stream.getvalue().endswith("INFO pending at exit\n")
     log.info("after")  # a later line outside any loop is not stuck behind the dead loop's timer
     assert stream.getvalue().endswith("INFO after\n")
+
+
+def test_text_formatter_times_equal_the_stock_formatter_in_utc():
+    """TextFormatter formats the date once per second; every line must read as the stock
+    Formatter's with time.gmtime would (seconds that change, milliseconds, the same second twice)."""
+    import time
+
+    from router.logs import TextFormatter
+
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    ours = TextFormatter(fmt)
+    stock = logging.Formatter(fmt)
+    stock.converter = time.gmtime
+    for t in (0.0, 0.5, 1.999, 1700000000.0005, 1700000000.9995, 1700000001.25, 1700000001.75, 1700003600.0,
+              1.0):
+        rec = logging.LogRecord("pd_router.access", logging.INFO, "", 0, "request_id=x", None, None)
+        rec.created, rec.msecs = t, int((t - int(t)) * 1000) + 0.0
+        assert ours.format(rec) == stock.format(rec)

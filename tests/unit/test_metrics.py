@@ -201,3 +201,46 @@ async def test_instance_labels_follow_the_registry(tiny_model_path):
             assert m.get("pd_router_instance_expiries_total", role="decode") == 1
             assert extra.url not in {lab.get("engine") for _, lab, _ in m.samples}
             assert m.get("pd_router_instances", role="decode", healthy="true") == 1
+
+
+def test_lock_free_metric_classes_expose_what_prometheus_client_would():
+    """router.metrics' Counter/Gauge/Histogram (no per-value lock, bisected buckets) must give the
+    exposition prometheus_client's own classes give for the same updates: bounds, the +Inf
+    bucket, values on a bound, negatives, NaN, labels (this also pins the private hooks used)."""
+    import math
+
+    import prometheus_client as pc
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from router import metrics as rm
+
+    def build(mod, registry):
+        return (mod.Histogram("h_seconds", "h", ["route"], buckets=rm.LATENCY_BUCKETS, registry=registry),
+                mod.Histogram("t_tokens", "t", buckets=rm.TOKEN_BUCKETS, registry=registry),
+                mod.Counter("c_total", "c", ["kind"], registry=registry),
+                mod.Gauge("g", "g", registry=registry))
+
+    ours_reg, stock_reg = pc.CollectorRegistry(), pc.CollectorRegistry()
+    ours, stock = build(rm, ours_reg), build(pc, stock_reg)
+    values = [0.0, 0.001, 0.0010001, 0.0025, 0.003, 1.0, 300.0, 300.5, 1e9, -1.0, 16, 17, 131072, 131073, math.nan]
+    for i, v in enumerate(values * 3):
+        for h, t, c, g in (ours, stock):
+            h.labels("direct" if i % 2 else "disaggregated").observe(v)
+            if v == v:
+                t.observe(abs(v))
+                c.labels("x").inc(abs(v))
+            g.inc(1)
+            g.dec(0.25)
+            if i == 7:
+                g.set(3)
+
+    def samples(reg):
+        text = pc.generate_latest(reg).decode()
+        return sorted((s.name, tuple(sorted(s.labels.items())), repr(s.value))
+                      for fam in text_string_to_metric_families(text) for s in fam.samples
+                      if not s.name.endswith("_created"))
+
+    assert samples(ours_reg) == samples(stock_reg)
+    assert type(ours[0].labels("direct")._sum) is rm._Value  # the lock-free value is in use
+    with pytest.raises(ValueError):
+        ours[0].observe(1.0)  # a labelled parent is not observable, as upstream
