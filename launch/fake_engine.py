@@ -16,6 +16,8 @@ Timing: a plain or prefill leg waits ``prefill_s_per_char * chars + ttft_extra_s
 first token; a pull decode leg (``kv_transfer_params.do_remote_prefill`` with block ids) waits
 ``kv_transfer_s`` instead; a push decode leg (no block ids yet: P prefills concurrently) waits
 both, as if P were configured like this fake; then one token every ``itl_s``. A non-streamed answer takes as long as the stream would.
+A streamed answer's head (status and headers) goes out at once, before that wait, as vLLM's
+``StreamingResponse`` sends it before the engine has produced anything.
 
 Every request is recorded (``FakeEngine.requests``) and ``FakeEngine.fault`` injects failures.
 The HTTP layer lives in ``launch/fake_engine_http.py``; this module holds the engine logic.
@@ -385,10 +387,10 @@ class FakeEngine:
                       include_usage: bool, loop: asyncio.AbstractEventLoop) -> None:
         f = rec.fault
         drop_after = f.drop_after_chunks if f is not None else None
+        rec.status = 200
+        conn.start_stream()  # as vLLM's StreamingResponse: the head at once, the first token after prefill
         if wait:
             await asyncio.sleep(wait)
-        rec.status = 200
-        conn.start_stream()
         sent = 0
         if gen.chat:
             conn.chunk(gen.role_chunk())

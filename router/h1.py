@@ -164,7 +164,7 @@ class Stream:
 
     __slots__ = ("conn", "stage", "status", "raw_headers", "_loop", "_head", "_buf", "_waiter", "_sink",
                  "_end_cb", "_err_cb", "done", "error", "_timer", "_idle", "deadline", "_last", "_paused",
-                 "closed", "until_eof", "fast", "_fast_cb")
+                 "closed", "until_eof", "fast", "_fast_cb", "hold_head")
 
     def __init__(self, conn: Conn, stage: str, loop: asyncio.AbstractEventLoop):
         self.conn = conn
@@ -189,6 +189,7 @@ class Stream:
         self.until_eof = False
         self.fast = None  # a router._splice.Relay taking whole-chunk reads (start_fast)
         self._fast_cb: Callable[[int], None] | None = None
+        self.hold_head = False  # head() of a 200 answer waits for its first body bytes too
 
     @property
     def headers(self) -> dict[str, str]:
@@ -211,7 +212,7 @@ class Stream:
                     length = True
             self.until_eof = te is None and not length
             chunked = te is not None and te.strip().lower().endswith(b"chunked")
-        if not self._head.done():
+        if not self._head.done() and not (self.hold_head and status == 200):
             self._head.set_result(status)
         return chunked
 
@@ -222,6 +223,8 @@ class Stream:
             sink(body)
             return
         self._buf.append(body)
+        if not self._head.done():  # hold_head: the head and the first bytes wake the reader once
+            self._head.set_result(self.status)
         self._wake()
 
     def on_fast_flags(self, flags: int) -> None:
@@ -242,6 +245,8 @@ class Stream:
             conn.pool.release(conn)
         else:
             conn.transport.close()
+        if not self._head.done():  # hold_head and an empty body
+            self._head.set_result(self.status)
         if self._end_cb is not None:
             self._end_cb()
         else:
@@ -339,6 +344,8 @@ class Stream:
 
     async def first(self, timeout: float | None) -> bytes:
         """The first body chunk within `timeout` (b"" when the answer has no body)."""
+        if self._buf:
+            return self._buf.pop(0)
         if timeout is not None:
             self.expire_at(self._loop.time() + timeout, f"{self.stage} instance sent no data within {timeout:g}s")
         try:
@@ -556,9 +563,12 @@ def start(pool: Pool, method: str, host: str, port: int, path: str, body: bytes 
 
 async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
                       headers: dict[str, str], *, timeout: float | None, stage: str, tls: bool = False,
-                      started: Stream | None = None) -> Stream:
+                      started: Stream | None = None, until_body: bool = False) -> Stream:
     """Send a request and wait for the answer's status line and headers (within `timeout`).
     `started`: the same request already sent by `start` (then it is not sent again).
+    `until_body`: a 200 answer is waited for until its first body bytes (or its end) are in
+    too, so that an engine that sends its head long before its first token (vLLM streams do)
+    wakes the caller once, not twice; other statuses return at their head.
 
     A pooled connection that the engine closed before answering (its keep-alive timer and
     our reuse crossed) is retried once on a new connection: the engine produced nothing.
@@ -572,6 +582,7 @@ async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, 
             head, rest = _prepare(method, host, port, path, body, headers)
             conn, reused = await pool.acquire(host, port, stage, tls)
             stream = _send(conn, head, rest, stage, loop)
+        stream.hold_head = until_body
         try:
             await stream.head(timeout)
         except UpstreamError as exc:

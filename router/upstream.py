@@ -78,11 +78,13 @@ class Upstream:
         return reply
 
     async def open_stream(self, url: str, body: bytes, headers: dict, *, timeout: float | None,
-                          idle_timeout: float | None, stage: str, deadline: float | None = None) -> Stream:
-        """POST and wait for response headers (within `timeout`); an error status raises UpstreamStatus."""
+                          idle_timeout: float | None, stage: str, deadline: float | None = None,
+                          until_body: bool = False) -> Stream:
+        """POST and wait for response headers (within `timeout`; `until_body`: a 200 answer's
+        first body bytes too, see `h1.open_stream`); an error status raises UpstreamStatus."""
         tls, host, port, path = self._target(url)
         stream = await h1.open_stream(self.pool, "POST", host, port, path, body, headers, timeout=timeout,
-                                      stage=stage, tls=tls)
+                                      stage=stage, tls=tls, until_body=until_body)
         if stream.status != 200:
             try:
                 raw = await stream.read_all(h1.STATUS_WAIT_S)

@@ -172,7 +172,8 @@ async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes,
         if s.request_timeout:
             deadline = asyncio.get_running_loop().time() + s.request_timeout - (time.perf_counter() - job.t0)
         stream = await env.upstream.open_stream(url, body, headers, timeout=s.first_byte_timeout,
-                                                idle_timeout=s.idle_timeout, stage="decode", deadline=deadline)
+                                                idle_timeout=s.idle_timeout, stage="decode", deadline=deadline,
+                                                until_body=True)  # one wake-up for head and first token
         try:
             first = await stream.first(s.first_byte_timeout)
         except BaseException:

@@ -359,3 +359,13 @@ def test_cli_two_engines_one_process():
         proc.terminate()
         proc.wait(timeout=10)
         proc.stdout.close()
+
+
+async def test_a_stream_head_goes_out_before_the_prefill_wait():
+    """Like vLLM's StreamingResponse: status and headers at once, the first token after prefill."""
+    async with FakeEngine(model="tiny", ttft_extra_s=30.0) as e:
+        async with httpx.AsyncClient(base_url=e.url, timeout=10) as c:
+            async with c.stream("POST", "/v1/completions",
+                                json={"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "stream": True}) as r:
+                assert r.status_code == 200  # returned within 10 s although the first token is 30 s away
+                assert r.headers["content-type"].startswith("text/event-stream")

@@ -181,6 +181,61 @@ async def test_a_started_request_on_a_stale_connection_is_retried_and_an_unused_
         await up.aclose()
 
 
+async def test_until_body_waits_for_the_first_bytes_after_an_early_head():
+    """vLLM sends a stream's head before prefill: with until_body the caller is woken once, when
+    the first token is in; error statuses and empty bodies still return at once; the timeout
+    covers the first bytes."""
+    go = asyncio.Event()
+
+    async def handler(s, reader, writer, n):
+        while True:
+            req = await s.read_request(reader)
+            if b"/err" in req:
+                writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 4\r\n\r\nbusy")
+            elif b"/empty" in req:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            else:
+                writer.write(OK_HEAD)
+                await writer.drain()
+                if b"/silent" in req:
+                    await reader.read()
+                    return
+                await go.wait()
+                go.clear()
+                writer.write(chunk(b"data: 1\n\n"))
+            await writer.drain()
+
+    async with Script(handler) as s:
+        pool = h1.Pool()
+
+        async def open_(path, until_body, timeout=5):
+            return await h1.open_stream(pool, "POST", "127.0.0.1", s.port, path, b"{}", {}, timeout=timeout,
+                                        stage="decode", until_body=until_body)
+
+        plain = await open_("/x", False)  # returns at the head; the token is still to come
+        assert plain.status == 200 and not plain._buf
+        go.set()
+        assert await plain.first(5) == b"data: 1\n\n"
+        await plain.aclose()
+
+        task = asyncio.create_task(open_("/x", True))
+        await asyncio.sleep(0.2)
+        assert not task.done()  # the head is in, the first token is not: still waiting
+        go.set()
+        held = await task
+        assert held.status == 200 and held._buf == [b"data: 1\n\n"]
+        assert await held.first(5) == b"data: 1\n\n"
+        await held.aclose()
+
+        err = await open_("/err", True)
+        assert err.status == 503 and await err.read_all(5) == b"busy"
+        empty = await open_("/empty", True)
+        assert empty.status == 200 and empty.done and await empty.first(5) == b""
+        with pytest.raises(UpstreamTimeout, match="did not answer within 0.2s"):
+            await open_("/silent", True, timeout=0.2)
+        pool.close()
+
+
 async def test_a_new_connection_dropped_before_the_answer_is_an_error_not_a_retry():
     async def handler(s, reader, writer, n):
         await s.read_request(reader)  # then close without answering
