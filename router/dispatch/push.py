@@ -131,16 +131,14 @@ class PushDispatch:
             if isinstance(exc, RouterError):
                 self._fail(d, exc, "decode")
             raise
-        if fired is None and p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
-            fired = _PREFILL_FAILED  # P failed in the turn D answered, before the watch heard of it
-        elif fired is not None:  # asked for, never delivered (cannot happen: it interrupts the leg)
-            asyncio.current_task().uncancel()
-        if fired is not None:
+        # The watch cannot have fired here: its cancellation interrupts the decode leg. But P may
+        # have failed in the very turn D answered, before the watch heard of it: P's failure wins.
+        if p_task.done() and not p_task.cancelled() and p_task.exception() is not None:
             if stream is not None:
                 await stream.aclose()
             await _stop(p_task, p_started)
             release_d()
-            raise self._fired(fired, p_task, grace)
+            raise self._fired(_PREFILL_FAILED, p_task, grace)
         env.record_result(d)
         return Outcome(decode=d, body=first, stream=stream, prefill=p, prefill_reply=p_task, t_handoff=t_launch,
                        cleanups=[release_d, lambda: _stop(p_task, p_started)])
@@ -209,24 +207,14 @@ class _Watch:
 
 
 async def _stop(p_task: asyncio.Task, started) -> None:
-    """Cancel the prefill leg; close its connection too when the task was cancelled before it
-    ever ran (a request sent by `start_prefill` that nothing else would close)."""
-    await _cancel(p_task)
-    if started is not None:
-        await started.aclose()
-
-
-async def _cancel(task: asyncio.Task) -> None:
-    if not task.done():
-        task.cancel()
+    """Cancel the prefill leg and wait for it; close its connection too when the task was
+    cancelled before it ever ran (a request sent by `start_prefill` that nothing else would
+    close). A finished leg's failure was already taken by `_prefill_done`."""
+    if not p_task.done():
+        p_task.cancel()
         try:
-            await task
+            await p_task
         except BaseException:  # noqa: BLE001 - we only wait for it to finish
             pass
-        return
-    if not task.cancelled() and task.exception() is not None:
-        _ = task.exception()  # mark retrieved
-    elif task.done() and not task.cancelled():
-        res = task.result()
-        if isinstance(res, tuple) and res and res[0] is not None:  # an open decode stream we will not use
-            await res[0].aclose()
+    if started is not None:
+        await started.aclose()
