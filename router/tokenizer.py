@@ -299,6 +299,11 @@ class PieceCounter:
         if compiled.groups:  # findall would return groups, not pieces
             raise ValueError("piece pattern has capture groups")
         self._split = compiled.findall
+        ascii_ = _ascii_pattern(pattern)
+        if ascii_ is not None:  # ~3x faster on a 1,000-char prompt; checked against `regex` below
+            fast = re.compile(ascii_)
+            if not fast.groups and all(fast.findall(t) == self._split(t) for t in _PIECE_PROBES + _SPLIT_PROBES):
+                self._split = fast.findall
         self._added = (re.compile("|".join(re.escape(a) for a in sorted(added, key=len, reverse=True)))
                        if added else None)
         self._added_first = tuple(sorted({a[0] for a in added}))
@@ -366,18 +371,28 @@ class PieceCounter:
     def _pieces(self, text: str) -> int | None:
         """Tokens of a stretch without added tokens; None if the regex leaves a gap (the
         tokenizer keeps gaps as pieces of their own; this counter does not take them)."""
+        pieces = self._split(text)
+        if sum(map(len, pieces)) != len(text):
+            return None
         cache = self._cache
-        n = covered = 0
-        for piece in self._split(text):
-            covered += len(piece)
-            c = cache.get(piece)
+        counts = list(map(cache.get, pieces))  # no Python-level loop over the pieces seen before
+        try:
+            i = counts.index(None)  # C-level scans; usually only a few pieces are new
+        except ValueError:
+            return sum(counts)
+        while True:
+            piece = pieces[i]
+            c = cache.get(piece)  # a repeat within this text
             if c is None:
                 c = len(self._model.tokenize(piece.translate(self._map)))
                 if len(cache) >= self.MAX_PIECES:
                     cache.clear()
                 cache[piece] = c
-            n += c
-        return n if covered == len(text) else None
+            counts[i] = c
+            try:
+                i = counts.index(None, i + 1)
+            except ValueError:
+                return sum(counts)
 
 
 def _piece_pattern(pre: dict | None) -> str | None:
@@ -399,6 +414,56 @@ def _piece_pattern(pre: dict | None) -> str | None:
     pat = split.get("pattern") or {}
     return pat.get("Regex")
 
+
+# \p{L} and \p{N} on the texts the piece counter takes (`_NOT_PLAIN`): ASCII letters and digits.
+# There, the other escapes of these patterns (\s, \S, \d, \w) mean the same to `re` and `regex`.
+_ASCII_CLASSES = ((r"\p{L}", "A-Za-z"), (r"\p{N}", "0-9"))
+
+
+def _ascii_pattern(pattern: str) -> str | None:
+    """The piece pattern for the standard `re` module, valid on plain ASCII texts only: \p{L}
+    and \p{N} become ASCII classes. None for any construct outside that simple translation
+    (other Unicode properties, nested classes)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            for prop, chars in _ASCII_CLASSES:
+                if pattern.startswith(prop, i):
+                    out.append(chars if in_class else f"[{chars}]")
+                    i += len(prop)
+                    break
+            else:
+                esc = pattern[i:i + 2]
+                if len(esc) < 2 or esc[1] in "pPXN":
+                    return None
+                out.append(esc)
+                i += 2
+            continue
+        if c == "[":
+            if in_class:
+                return None  # a nested set: `re` and `regex` may read it differently
+            in_class = True
+            out.append(c)
+            i += 1
+            for lead in ("^", "]"):  # "[^" and a "]" first in a class are not its end
+                if pattern.startswith(lead, i):
+                    out.append(lead)
+                    i += 1
+            continue
+        if c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    try:
+        re.compile("".join(out))
+    except re.error:
+        return None
+    return "".join(out)
+
+
+_SPLIT_PROBES = ("I'm 'S 'LL 'd x'VE", "abc123def 4567890 ,.;:!? ({[<>]}) \\ / | ~ ` @ # $ % ^ & * - + =",
+                 "  \t\r\n  a\r\n\r\nb  \n", "___ x_y z-9 '' '")
 
 _PIECE_PROBES = ("", "a", "Hello, world!", " leading space", "tabs\tand\nnewlines  \r\n", "x   y\n\n\nz",
                  "don't you'll I'M we've 'd", "0123456789 " * 20, "a1b2c3 !!?? ...;; --> <<>> {}[]",

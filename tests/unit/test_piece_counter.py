@@ -161,3 +161,36 @@ def test_other_tokenizer_shapes_get_no_piece_counter(tiny_model_path):
     for name, tok in refused.items():
         assert PieceCounter.from_tokenizer(tok) is None, name
     assert PieceCounter.from_tokenizer(object()) is None
+
+
+@pytest.mark.parametrize("pattern", [T.GPT2_PATTERN, LLAMA3, QWEN2])
+def test_ascii_pattern_splits_plain_text_as_the_unicode_one(pattern):
+    """The counter runs the piece regex with `re`, \\p{L} and \\p{N} made ASCII (texts with anything
+    else never reach it): on plain texts it must cut exactly the pieces `regex` cuts."""
+    import regex
+
+    ascii_ = T._ascii_pattern(pattern)
+    assert ascii_ is not None and r"\p" not in ascii_
+    fast, ref = __import__("re").compile(ascii_), regex.compile(pattern)
+
+    @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(texts)
+    def check(text):
+        assert fast.findall(text) == ref.findall(text), repr(text)
+
+    check()
+
+
+def test_ascii_pattern_declines_what_it_cannot_translate():
+    assert T._ascii_pattern(r"\p{Lu}+|\s+") is None
+    assert T._ascii_pattern(r"\P{L}+") is None
+    assert T._ascii_pattern(r"[[a-z]&&[^aeiou]]") is None
+    assert T._ascii_pattern(r"[^\r\n\p{L}\p{N}]?\p{L}+") == r"[^\r\nA-Za-z0-9]?[A-Za-z]+"
+    assert T._ascii_pattern(r"[]\p{N}]+") == r"[]0-9]+"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama3", "qwen2"])
+def test_counter_splits_with_re(tokenizers, name):
+    import re
+    counter = PieceCounter.from_tokenizer(tokenizers[name])
+    assert counter._split.__self__.__class__ is re.Pattern
