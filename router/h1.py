@@ -40,6 +40,7 @@ from router.errors import BadRequest, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger("pd_router.h1")
 FAST_SLOW = 1  # router._splice.SLOW: the relay declined the read
+HOLD_BODY, HOLD_END = 1, 2  # Stream.hold_head
 STATUS_WAIT_S = 10.0  # how long the body of an error status is read before giving up on it
 
 
@@ -189,7 +190,9 @@ class Stream:
         self.until_eof = False
         self.fast = None  # a router._splice.Relay taking whole-chunk reads (start_fast)
         self._fast_cb: Callable[[int], None] | None = None
-        self.hold_head = False  # head() of a 200 answer waits for its first body bytes too
+        # head() waits longer: HOLD_BODY, a 200 answer's first body bytes too; HOLD_END, the
+        # whole answer (any status). One wake-up where the engine writes head and body apart.
+        self.hold_head = 0
 
     @property
     def headers(self) -> dict[str, str]:
@@ -212,7 +215,8 @@ class Stream:
                     length = True
             self.until_eof = te is None and not length
             chunked = te is not None and te.strip().lower().endswith(b"chunked")
-        if not self._head.done() and not (self.hold_head and status == 200):
+        hold = self.hold_head
+        if not self._head.done() and not (hold == HOLD_END or (hold and status == 200)):
             self._head.set_result(status)
         return chunked
 
@@ -223,7 +227,7 @@ class Stream:
             sink(body)
             return
         self._buf.append(body)
-        if not self._head.done():  # hold_head: the head and the first bytes wake the reader once
+        if not self._head.done() and self.hold_head != HOLD_END:  # HOLD_BODY: one wake-up for both
             self._head.set_result(self.status)
         self._wake()
 
@@ -245,7 +249,7 @@ class Stream:
             conn.pool.release(conn)
         else:
             conn.transport.close()
-        if not self._head.done():  # hold_head and an empty body
+        if not self._head.done():  # held (HOLD_BODY and an empty body, or HOLD_END)
             self._head.set_result(self.status)
         if self._end_cb is not None:
             self._end_cb()
@@ -563,12 +567,14 @@ def start(pool: Pool, method: str, host: str, port: int, path: str, body: bytes 
 
 async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
                       headers: dict[str, str], *, timeout: float | None, stage: str, tls: bool = False,
-                      started: Stream | None = None, until_body: bool = False) -> Stream:
+                      started: Stream | None = None, until_body: bool = False, until_end: bool = False) -> Stream:
     """Send a request and wait for the answer's status line and headers (within `timeout`).
     `started`: the same request already sent by `start` (then it is not sent again).
     `until_body`: a 200 answer is waited for until its first body bytes (or its end) are in
     too, so that an engine that sends its head long before its first token (vLLM streams do)
-    wakes the caller once, not twice; other statuses return at their head.
+    wakes the caller once, not twice; other statuses return at their head. `until_end`: any
+    answer is waited for until its end (for `fetch`, which reads it whole: an engine that
+    writes the head and the body apart, as uvicorn does, wakes the caller once).
 
     A pooled connection that the engine closed before answering (its keep-alive timer and
     our reuse crossed) is retried once on a new connection: the engine produced nothing.
@@ -582,7 +588,7 @@ async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, 
             head, rest = _prepare(method, host, port, path, body, headers)
             conn, reused = await pool.acquire(host, port, stage, tls)
             stream = _send(conn, head, rest, stage, loop)
-        stream.hold_head = until_body
+        stream.hold_head = HOLD_END if until_end else HOLD_BODY if until_body else 0
         try:
             await stream.head(timeout)
         except UpstreamError as exc:
@@ -603,7 +609,7 @@ async def fetch(pool: Pool, method: str, host: str, port: int, path: str, body: 
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     stream = await open_stream(pool, method, host, port, path, body, headers, timeout=timeout, stage=stage, tls=tls,
-                               started=started)
+                               started=started, until_end=True)
     try:
         if deadline is not None:
             stream.expire_at(deadline, f"{stage} instance did not answer within {timeout:g}s")

@@ -236,6 +236,52 @@ async def test_until_body_waits_for_the_first_bytes_after_an_early_head():
         pool.close()
 
 
+async def test_fetch_wakes_once_for_a_head_and_body_written_apart():
+    """uvicorn (vLLM's server) writes a JSON answer's head and body in two writes: fetch's
+    open_stream(until_end) returns only when the whole answer is in, for any status; a timeout
+    still covers the body; a connection lost after the head is the connection's error."""
+    go = asyncio.Event()
+
+    async def handler(s, reader, writer, n):
+        while True:
+            req = await s.read_request(reader)
+            status = b"503 Service Unavailable" if b"/err" in req else b"200 OK"
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: 7\r\n\r\n")
+            await writer.drain()
+            if b"/silent" in req:
+                await reader.read()
+                return
+            if b"/cut" in req:
+                writer.close()
+                return
+            await go.wait()
+            go.clear()
+            writer.write(b'{"a":1}')
+            await writer.drain()
+
+    async with Script(handler) as s:
+        pool = h1.Pool()
+        for path, want in (("/x", 200), ("/err", 503)):
+            task = asyncio.create_task(h1.open_stream(pool, "POST", "127.0.0.1", s.port, path, b"{}", {},
+                                                      timeout=5, stage="prefill", until_end=True))
+            await asyncio.sleep(0.2)
+            assert not task.done(), path  # the head is in, the body is not: still waiting
+            go.set()
+            stream = await task
+            assert stream.status == want and stream.done and stream._buf == [b'{"a":1}']
+            await stream.aclose()
+            go.set()
+            status, body, _ = await h1.fetch(pool, "POST", "127.0.0.1", s.port, path, b"{}", {}, timeout=5,
+                                             stage="prefill")
+            assert (status, body) == (want, b'{"a":1}')
+        with pytest.raises(UpstreamTimeout, match="did not answer within 0.2s"):
+            await h1.fetch(pool, "POST", "127.0.0.1", s.port, "/silent", b"{}", {}, timeout=0.2, stage="prefill")
+        with pytest.raises(UpstreamError) as e:
+            await h1.fetch(h1.Pool(), "POST", "127.0.0.1", s.port, "/cut", b"{}", {}, timeout=5, stage="prefill")
+        assert e.value.code == "connection_lost"
+        pool.close()
+
+
 async def test_a_new_connection_dropped_before_the_answer_is_an_error_not_a_retry():
     async def handler(s, reader, writer, n):
         await s.read_request(reader)  # then close without answering
