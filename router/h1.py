@@ -165,7 +165,7 @@ class Stream:
 
     __slots__ = ("conn", "stage", "status", "raw_headers", "_loop", "_head", "_buf", "_waiter", "_sink",
                  "_end_cb", "_err_cb", "done", "error", "_timer", "_idle", "deadline", "_last", "_paused",
-                 "closed", "until_eof", "fast", "_fast_cb", "hold_head")
+                 "closed", "until_eof", "fast", "_fast_cb", "hold_head", "_on_answer")
 
     def __init__(self, conn: Conn, stage: str, loop: asyncio.AbstractEventLoop):
         self.conn = conn
@@ -193,6 +193,7 @@ class Stream:
         # head() waits longer: HOLD_BODY, a 200 answer's first body bytes too; HOLD_END, the
         # whole answer (any status). One wake-up where the engine writes head and body apart.
         self.hold_head = 0
+        self._on_answer: Callable[[Stream], None] | None = None  # see set_on_answer
 
     @property
     def headers(self) -> dict[str, str]:
@@ -251,10 +252,30 @@ class Stream:
             conn.transport.close()
         if not self._head.done():  # held (HOLD_BODY and an empty body, or HOLD_END)
             self._head.set_result(self.status)
+        hook = self._on_answer
+        if hook is not None:
+            self._on_answer = None
+            self._answered(hook)
         if self._end_cb is not None:
             self._end_cb()
         else:
             self._wake()
+
+    def set_on_answer(self, hook: Callable[[Stream], None] | None) -> None:
+        """Call `hook(self)` from the connection's read callback as soon as the whole answer is
+        in (now, if it is), before the reader wakes up; not on failure, nor once closed. The
+        hook must not raise (a bug in it is logged, the answer is unaffected)."""
+        if self.done:
+            if hook is not None and self.error is None and not self.closed:
+                self._answered(hook)
+        else:
+            self._on_answer = hook
+
+    def _answered(self, hook: Callable[[Stream], None]) -> None:
+        try:
+            hook(self)
+        except Exception:  # noqa: BLE001 - the reader still gets the answer
+            log.exception("answer hook of a %s stream failed", self.stage)
 
     def lost(self, exc) -> None:
         detail = f": {exc}" if exc else ""
@@ -425,13 +446,22 @@ class Stream:
             if not self.done:
                 self.conn.transport.resume_reading()
 
+    def body(self) -> bytes:
+        """The body bytes buffered so far (not taken by a reader), joined; they stay buffered."""
+        buf = self._buf
+        return buf[0] if len(buf) == 1 else b"".join(buf)
+
     async def aclose(self) -> None:
+        """Done with the stream (see `close`)."""
+        self.close()
+
+    def close(self) -> None:
         """Done with the stream. If its answer was not read to the end, the connection is
         closed (the engine sees the disconnect and aborts the request)."""
         if self.closed:
             return
         self.closed = True
-        self._sink = self._end_cb = self._err_cb = self._fast_cb = None
+        self._sink = self._end_cb = self._err_cb = self._fast_cb = self._on_answer = None
         self.fast = None
         if not self.done:
             self._drop()
@@ -554,27 +584,32 @@ def _send(conn: Conn, head: bytes, body: bytes | None, stage: str, loop: asyncio
 
 
 def start(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
-          headers: dict[str, str], *, stage: str, tls: bool = False) -> Stream | None:
+          headers: dict[str, str], *, stage: str, tls: bool = False, hold: int = 0) -> Stream | None:
     """Send a request now, without yielding to the loop, on an idle pooled connection (None when
     there is none: then `open_stream` connects). Hand the stream to `open_stream(started=...)`
-    (or `aclose()` it)."""
+    (or `aclose()` it) with the `until_*` that `hold` (HOLD_BODY, HOLD_END) says: set now, it
+    holds an answer that comes in before then."""
     conn = pool.take_idle(host, port, tls)
     if conn is None:
         return None
     head, rest = _prepare(method, host, port, path, body, headers)
-    return _send(conn, head, rest, stage, asyncio.get_running_loop())
+    stream = _send(conn, head, rest, stage, asyncio.get_running_loop())
+    stream.hold_head = hold
+    return stream
 
 
 async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
                       headers: dict[str, str], *, timeout: float | None, stage: str, tls: bool = False,
-                      started: Stream | None = None, until_body: bool = False, until_end: bool = False) -> Stream:
+                      started: Stream | None = None, until_body: bool = False, until_end: bool = False,
+                      on_answer: Callable[[Stream], None] | None = None) -> Stream:
     """Send a request and wait for the answer's status line and headers (within `timeout`).
     `started`: the same request already sent by `start` (then it is not sent again).
     `until_body`: a 200 answer is waited for until its first body bytes (or its end) are in
     too, so that an engine that sends its head long before its first token (vLLM streams do)
     wakes the caller once, not twice; other statuses return at their head. `until_end`: any
     answer is waited for until its end (for `fetch`, which reads it whole: an engine that
-    writes the head and the body apart, as uvicorn does, wakes the caller once).
+    writes the head and the body apart, as uvicorn does, wakes the caller once). `on_answer`:
+    see `Stream.set_on_answer`.
 
     A pooled connection that the engine closed before answering (its keep-alive timer and
     our reuse crossed) is retried once on a new connection: the engine produced nothing.
@@ -589,6 +624,8 @@ async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, 
             conn, reused = await pool.acquire(host, port, stage, tls)
             stream = _send(conn, head, rest, stage, loop)
         stream.hold_head = HOLD_END if until_end else HOLD_BODY if until_body else 0
+        if on_answer is not None:
+            stream.set_on_answer(on_answer)
         try:
             await stream.head(timeout)
         except UpstreamError as exc:
@@ -604,12 +641,14 @@ async def open_stream(pool: Pool, method: str, host: str, port: int, path: str, 
 
 async def fetch(pool: Pool, method: str, host: str, port: int, path: str, body: bytes | None,
                 headers: dict[str, str], *, timeout: float | None, stage: str,
-                tls: bool = False, started: Stream | None = None) -> tuple[int, bytes, Stream]:
-    """A whole exchange within `timeout`: (status, body, the finished stream for its headers)."""
+                tls: bool = False, started: Stream | None = None,
+                on_answer: Callable[[Stream], None] | None = None) -> tuple[int, bytes, Stream]:
+    """A whole exchange within `timeout`: (status, body, the finished stream for its headers).
+    `on_answer(stream)` runs as soon as the answer is in, before the caller wakes."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     stream = await open_stream(pool, method, host, port, path, body, headers, timeout=timeout, stage=stage, tls=tls,
-                               started=started, until_end=True)
+                               started=started, until_end=True, on_answer=on_answer)
     try:
         if deadline is not None:
             stream.expire_at(deadline, f"{stage} instance did not answer within {timeout:g}s")

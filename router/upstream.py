@@ -19,7 +19,7 @@ UpstreamStatus (the engine's body passed through).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
 from router import h1
@@ -52,39 +52,43 @@ class Upstream:
             target = self._targets[url] = _split(url)
         return target
 
-    def start(self, url: str, body: bytes, headers: dict, *, stage: str) -> Stream | None:
+    def start(self, url: str, body: bytes, headers: dict, *, stage: str, hold: int = 0) -> Stream | None:
         """POST now, before this task yields, if an idle keep-alive connection to `url` is at hand
         (else None). Pass the result as `started=` to `post` or `open_stream` with the same
-        arguments, which then wait for its answer instead of sending the request."""
+        arguments, which then wait for its answer instead of sending the request (`hold`: see
+        `h1.start`)."""
         tls, host, port, path = self._target(url)
-        return h1.start(self.pool, "POST", host, port, path, body, headers, stage=stage, tls=tls)
+        return h1.start(self.pool, "POST", host, port, path, body, headers, stage=stage, tls=tls, hold=hold)
 
     async def request(self, method: str, url: str, *, body: bytes | None = None, headers: dict | None = None,
-                      timeout: float | None = None, stage: str = "decode", started: Stream | None = None) -> Reply:
+                      timeout: float | None = None, stage: str = "decode", started: Stream | None = None,
+                      on_answer: Callable[[Stream], None] | None = None) -> Reply:
         """A whole (non-streaming) exchange within `timeout`. Returns any status; raises on
-        transport failure or timeout."""
+        transport failure or timeout. `on_answer`: see `h1.Stream.set_on_answer`."""
         tls, host, port, path = self._target(url)
         status, data, stream = await h1.fetch(self.pool, method, host, port, path, body, headers or {},
-                                              timeout=timeout, stage=stage, tls=tls, started=started)
+                                              timeout=timeout, stage=stage, tls=tls, started=started,
+                                              on_answer=on_answer)
         return Reply(status, data, stream)
 
     async def post(self, url: str, body: bytes, headers: dict, *, timeout: float | None, stage: str,
-                   started: Stream | None = None) -> Reply:
+                   started: Stream | None = None, on_answer: Callable[[Stream], None] | None = None) -> Reply:
         """POST JSON; an error status raises UpstreamStatus."""
         reply = await self.request("POST", url, body=body, headers=headers, timeout=timeout, stage=stage,
-                                   started=started)
+                                   started=started, on_answer=on_answer)
         if reply.status != 200:
             raise UpstreamStatus(reply.status, reply.body, stage=stage)
         return reply
 
     async def open_stream(self, url: str, body: bytes, headers: dict, *, timeout: float | None,
                           idle_timeout: float | None, stage: str, deadline: float | None = None,
-                          until_body: bool = False) -> Stream:
+                          until_body: bool = False, started: Stream | None = None) -> Stream:
         """POST and wait for response headers (within `timeout`; `until_body`: a 200 answer's
-        first body bytes too, see `h1.open_stream`); an error status raises UpstreamStatus."""
+        first body bytes too, see `h1.open_stream`); an error status raises UpstreamStatus.
+        `started`: the same request already sent by `start`."""
         tls, host, port, path = self._target(url)
         stream = await h1.open_stream(self.pool, "POST", host, port, path, body, headers, timeout=timeout,
-                                      stage=stage, tls=tls, until_body=until_body)
+                                      stage=stage, tls=tls, until_body=until_body, started=started)
         if stream.status != 200:
             try:
                 raw = await stream.read_all(h1.STATUS_WAIT_S)

@@ -14,7 +14,7 @@ from router.metrics import Metrics
 from router.policies import Policy
 from router.registry import Instance, Registry
 from router.settings import Settings
-from router.h1 import Stream
+from router.h1 import HOLD_BODY, HOLD_END, Stream
 from router.upstream import Upstream
 
 # The six fields pull and push prefill legs carry (PROTOCOLS.md sections 2 and 3).
@@ -159,9 +159,21 @@ def decode_body(body: dict, kv_params: dict | None) -> bytes:
     return orjson.dumps({**body, "kv_transfer_params": kv_params})
 
 
+def start_decode(env: Env, job: Job, inst: Instance, body: bytes,
+                 headers: dict[str, str] | None = None) -> Stream | None:
+    """Send a streamed decode leg now (None when no idle connection to D is at hand, or the
+    request is not streamed); give the result to `decode_leg(..., started=)` with the same
+    arguments."""
+    if not job.stream:
+        return None
+    return env.upstream.start(inst.url + job.path, body, {**env.headers("decode", job), **(headers or {})},
+                              stage="decode", hold=HOLD_BODY)
+
+
 async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes,
-                     headers: dict[str, str] | None = None) -> tuple[Stream | None, bytes]:
-    """Send the decode leg; for streams, wait for the first chunk (time to first decode byte).
+                     headers: dict[str, str] | None = None, started: Stream | None = None) -> tuple[Stream | None, bytes]:
+    """Send the decode leg (unless `started` by `start_decode`); for streams, wait for the first
+    chunk (time to first decode byte).
 
     `headers` override the standard ones (MoRIIO: its own X-Request-Id)."""
     s = env.settings
@@ -173,7 +185,7 @@ async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes,
             deadline = asyncio.get_running_loop().time() + s.request_timeout - (time.perf_counter() - job.t0)
         stream = await env.upstream.open_stream(url, body, headers, timeout=s.first_byte_timeout,
                                                 idle_timeout=s.idle_timeout, stage="decode", deadline=deadline,
-                                                until_body=True)  # one wake-up for head and first token
+                                                until_body=True, started=started)  # one wake-up for head and first token
         try:
             first = await stream.first(s.first_byte_timeout)
         except BaseException:
@@ -212,17 +224,19 @@ def start_prefill(env: Env, job: Job, inst: Instance, body: bytes,
     """Send a prefill leg now, before the caller yields (None when no idle connection to P is at
     hand); give the result to `prefill_leg(..., started=)` with the same arguments."""
     return env.upstream.start(inst.url + job.path, body, {**env.headers("prefill", job), **(headers or {})},
-                              stage="prefill")
+                              stage="prefill", hold=HOLD_END)
 
 
 async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes,
                       headers: dict[str, str] | None = None, started: Stream | None = None,
-                      t_sent: float | None = None) -> dict:
+                      t_sent: float | None = None, on_answer: Callable[[Stream], None] | None = None) -> dict:
     """Send a prefill leg (unless `started` by `start_prefill` at `t_sent`) and return P's JSON
-    answer. `headers` override the standard ones."""
+    answer. `headers` override the standard ones. `on_answer(stream)` runs as soon as P's answer
+    is in, before this returns (see `h1.Stream.set_on_answer`)."""
     t = time.perf_counter() if t_sent is None else t_sent
     reply = await env.upstream.post(inst.url + job.path, body, {**env.headers("prefill", job), **(headers or {})},
-                                    timeout=env.settings.prefill_timeout, stage="prefill", started=started)
+                                    timeout=env.settings.prefill_timeout, stage="prefill", started=started,
+                                    on_answer=on_answer)
     env.metrics.prefill_leg.labels(env.settings.mode).observe(time.perf_counter() - t)
     try:
         doc = orjson.loads(reply.body)

@@ -282,6 +282,49 @@ async def test_fetch_wakes_once_for_a_head_and_body_written_apart():
         pool.close()
 
 
+async def test_on_answer_runs_from_the_read_callback_before_the_caller_wakes(caplog):
+    """fetch(on_answer=): the hook sees the whole answer from the connection's read callback
+    (no task running), before fetch returns; not for a failed exchange; a hook that raises is
+    logged and the answer is still returned."""
+    async def handler(s, reader, writer, n):
+        while True:
+            req = await s.read_request(reader)
+            if b"/cut" in req:
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\npart")
+                await writer.drain()
+                writer.close()
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 7\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b'{"a":1}')
+            await writer.drain()
+
+    async with Script(handler) as s:
+        pool, calls = h1.Pool(), []
+
+        def hook(stream):
+            calls.append((asyncio.current_task(), stream.status, stream.body(), stream.done))
+
+        status, body, _ = await h1.fetch(pool, "POST", "127.0.0.1", s.port, "/x", b"{}", {}, timeout=5,
+                                         stage="prefill", on_answer=hook)
+        assert (status, body) == (200, b'{"a":1}')
+        assert calls == [(None, 200, b'{"a":1}', True)]
+
+        def broken(stream):
+            raise RuntimeError("bug in a hook")
+
+        status, body, _ = await h1.fetch(pool, "POST", "127.0.0.1", s.port, "/x", b"{}", {}, timeout=5,
+                                         stage="prefill", on_answer=broken)
+        assert (status, body) == (200, b'{"a":1}')
+        assert "answer hook of a prefill stream failed" in caplog.text
+        with pytest.raises(UpstreamError):
+            await h1.fetch(h1.Pool(), "POST", "127.0.0.1", s.port, "/cut", b"{}", {}, timeout=5, stage="prefill",
+                           on_answer=hook)
+        assert len(calls) == 1
+        pool.close()
+
+
 async def test_a_new_connection_dropped_before_the_answer_is_an_error_not_a_retry():
     async def handler(s, reader, writer, n):
         await s.read_request(reader)  # then close without answering

@@ -105,3 +105,66 @@ async def test_openai_client_unchanged(tiny_model_path, mode):
         assert chat.choices[0].message.content == " t0 t1"
         await client.close()
         assert completion_legs(ps[0])  # disaggregated requests did reach prefill
+
+
+async def test_decode_leg_leaves_from_the_prefill_answer_callback(tiny_model_path, monkeypatch):
+    """D's request is sent from the read callback that completes P's answer (no task is running
+    there), before the request's task resumes; the task continues with that stream: one D leg."""
+    import asyncio
+
+    import router.dispatch.pull as pull
+
+    seen = []
+    real = pull.start_decode
+
+    def spy(*a, **k):
+        stream = real(*a, **k)
+        seen.append((asyncio.current_task(), stream is not None))
+        return stream
+
+    monkeypatch.setattr(pull, "start_decode", spy)
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        for i in range(2):  # the second request finds an idle pooled connection to D
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 3,
+                                                      "stream": True})
+            assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
+        assert [task for task, _ in seen] == [None, None]
+        assert seen[1][1]  # sent then and there
+        assert len(completion_legs(ds[0])) == 2 and len(completion_legs(ps[0])) == 2
+        assert all(i.in_flight == 0 for i in app.state.pdr.registry)
+
+
+async def test_cancelled_between_prefill_answer_and_task_closes_the_started_decode_leg(tiny_model_path, monkeypatch):
+    """The client leaves after P answered and D's request left from P's read callback, before the
+    request's task resumed: D's connection is closed (D aborts), its lease released, and the
+    prefill counted as orphaned (cancelled)."""
+    import asyncio
+
+    import router.dispatch.pull as pull
+    from router.dispatch import Job
+    from tests.unit.metricskit import Scrape
+
+    real, work = pull.start_decode, []
+
+    def cancel_after_start(*a, **k):
+        stream = real(*a, **k)
+        work[0].cancel()  # the task has not resumed yet: it meets the cancellation at its await
+        return stream
+
+    async with topology(tiny_model_path, engine_kw={"itl_s": 0.5}) as (c, url, ps, ds, app):
+        st = app.state.pdr
+        r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 2, "stream": True})
+        assert r.status_code == 200  # a pooled connection to D now waits idle
+        monkeypatch.setattr(pull, "start_decode", cancel_after_start)
+        body = {"model": "tiny", "prompt": LONG, "max_tokens": 2, "stream": True}
+        job = Job(kind="completions", path="/v1/completions", body=body, stream=True, request_id="cancel-1",
+                  prompt_tokens=100, model="tiny", route="disaggregated")
+        work.append(asyncio.ensure_future(st.dispatcher.run(job)))
+        with pytest.raises(asyncio.CancelledError):
+            await work[0]
+        d_leg = await ds[0].wait_for(lambda q: q.method == "POST" and q.headers.get("x-request-id") == "cancel-1"
+                                     and q.t_end is not None, timeout=5)
+        assert d_leg.disconnected
+        assert all(i.in_flight == 0 for i in st.registry)
+        m = Scrape((await c.get("/metrics")).text)
+        assert m.get("pd_router_orphaned_prefills_total", reason="cancelled") == 1
