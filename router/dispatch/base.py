@@ -161,13 +161,10 @@ def decode_body(body: dict, kv_params: dict | None) -> bytes:
 
 def start_decode(env: Env, job: Job, inst: Instance, body: bytes,
                  headers: dict[str, str] | None = None) -> Stream | None:
-    """Send a streamed decode leg now (None when no idle connection to D is at hand, or the
-    request is not streamed); give the result to `decode_leg(..., started=)` with the same
-    arguments."""
-    if not job.stream:
-        return None
+    """Send a decode leg now (None when no idle connection to D is at hand); give the result to
+    `decode_leg(..., started=)` with the same arguments."""
     return env.upstream.start(inst.url + job.path, body, {**env.headers("decode", job), **(headers or {})},
-                              stage="decode", hold=HOLD_BODY)
+                              stage="decode", hold=HOLD_BODY if job.stream else HOLD_END)
 
 
 async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes,
@@ -197,7 +194,7 @@ async def decode_leg(env: Env, job: Job, inst: Instance, body: bytes,
             raise UpstreamError(f"decode instance sent a bad stream: {problem}", stage="decode", code="bad_stream")
         return stream, first
     timeout = s.request_timeout - (time.perf_counter() - job.t0) if s.request_timeout else None
-    reply = await env.upstream.post(url, body, headers, timeout=timeout, stage="decode")
+    reply = await env.upstream.post(url, body, headers, timeout=timeout, stage="decode", started=started)
     return None, reply.body
 
 

@@ -124,13 +124,17 @@ async def test_decode_leg_leaves_from_the_prefill_answer_callback(tiny_model_pat
 
     monkeypatch.setattr(pull, "start_decode", spy)
     async with topology(tiny_model_path) as (c, url, ps, ds, app):
-        for i in range(2):  # the second request finds an idle pooled connection to D
+        for stream in (True, True, False):  # the second and third find an idle pooled connection to D
             r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 3,
-                                                      "stream": True})
-            assert r.status_code == 200 and sse_events(r.text)[-1] == "[DONE]"
-        assert [task for task, _ in seen] == [None, None]
-        assert seen[1][1]  # sent then and there
-        assert len(completion_legs(ds[0])) == 2 and len(completion_legs(ps[0])) == 2
+                                                      "stream": stream})
+            assert r.status_code == 200
+            if stream:
+                assert sse_events(r.text)[-1] == "[DONE]"
+            else:
+                assert r.json()["choices"][0]["text"] == " t0 t1 t2"
+        assert [task for task, _ in seen] == [None, None, None]
+        assert seen[1][1] and seen[2][1]  # sent then and there
+        assert len(completion_legs(ds[0])) == 3 and len(completion_legs(ps[0])) == 3
         assert all(i.in_flight == 0 for i in app.state.pdr.registry)
 
 
