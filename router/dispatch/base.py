@@ -226,19 +226,35 @@ def start_prefill(env: Env, job: Job, inst: Instance, body: bytes,
 
 async def prefill_leg(env: Env, job: Job, inst: Instance, body: bytes,
                       headers: dict[str, str] | None = None, started: Stream | None = None,
-                      t_sent: float | None = None, on_answer: Callable[[Stream], None] | None = None) -> dict:
+                      t_sent: float | None = None, on_answer: Callable[[dict], None] | None = None) -> dict:
     """Send a prefill leg (unless `started` by `start_prefill` at `t_sent`) and return P's JSON
-    answer. `headers` override the standard ones. `on_answer(stream)` runs as soon as P's answer
-    is in, before this returns (see `h1.Stream.set_on_answer`)."""
+    answer. `headers` override the standard ones. `on_answer(doc)` gets a 200 answer's JSON
+    object as soon as it is read, from the connection's read callback, before this returns
+    (see `h1.Stream.set_on_answer`); the answer is parsed once, there."""
     t = time.perf_counter() if t_sent is None else t_sent
+    parsed = None
+
+    def hook(stream: Stream) -> None:
+        nonlocal parsed
+        if stream.status == 200:
+            try:
+                parsed = orjson.loads(stream.body())
+            except orjson.JSONDecodeError:
+                return  # parsed again below, where it becomes the error
+            if isinstance(parsed, dict):
+                on_answer(parsed)
+
     reply = await env.upstream.post(inst.url + job.path, body, {**env.headers("prefill", job), **(headers or {})},
                                     timeout=env.settings.prefill_timeout, stage="prefill", started=started,
-                                    on_answer=on_answer)
+                                    on_answer=hook if on_answer is not None else None)
     env.metrics.prefill_leg.labels(env.settings.mode).observe(time.perf_counter() - t)
-    try:
-        doc = orjson.loads(reply.body)
-    except orjson.JSONDecodeError:
-        raise UpstreamError("prefill instance answered with invalid JSON", stage="prefill", code="bad_json") from None
+    doc = parsed
+    if doc is None:
+        try:
+            doc = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            raise UpstreamError("prefill instance answered with invalid JSON", stage="prefill",
+                                code="bad_json") from None
     if not isinstance(doc, dict):
         raise UpstreamError("prefill instance answered with a non-object", stage="prefill", code="bad_json")
     return doc

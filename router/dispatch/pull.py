@@ -24,8 +24,6 @@ import logging
 import time
 from typing import Any, Callable
 
-import orjson
-
 from router.dispatch.base import (PREFILL_KV_PARAMS, Env, Job, Outcome, count_error, decode_body, decode_leg,
                                   is_retryable, prefill_body, prefill_leg, start_decode)
 from router.dispatch.direct import run_decode_only
@@ -42,11 +40,11 @@ def finished_at_first_token(p_doc: dict) -> bool:
 
 
 class _Handoff:
-    """The decode leg's first steps, run from the read callback that completes P's answer:
-    parse it, build D's request, pick D, lease it and send the request on an idle connection
-    (the task sends it if none is at hand). Anything unusual (an error status, bad JSON, no KV
-    params, no D, a failure of ours) leaves every step to the task, which meets the same case
-    itself. `taken` holds what the task continues with; `answered`: P answered 200."""
+    """The decode leg's first steps, run from the read callback that completes P's answer (with
+    P's parsed answer, `prefill_leg(on_answer=)`): build D's request, pick D, lease it and send
+    the request on an idle connection (the task sends it if none is at hand). Anything unusual
+    (no KV params, no D, a failure of ours) leaves every step to the task, which meets the same
+    case itself. `taken` holds what the task continues with; `answered`: P answered."""
 
     __slots__ = ("dispatch", "job", "tried_d", "plan", "answered", "taken")
 
@@ -55,19 +53,11 @@ class _Handoff:
         self.answered = False
         self.taken: tuple[float, bytes, dict | None, Instance, Callable[[], None], Stream | None] | None = None
 
-    def __call__(self, stream: Stream) -> None:
-        if stream.status != 200:
-            return
+    def __call__(self, doc: dict) -> None:
         self.answered = True
         if self.taken is not None:
             return
         t = time.perf_counter()
-        try:
-            doc = orjson.loads(stream.body())
-        except orjson.JSONDecodeError:
-            return
-        if not isinstance(doc, dict):
-            return
         d = self.dispatch
         try:
             d_body, d_headers = d._decode_request(self.job, doc, self.plan)
@@ -175,7 +165,7 @@ class PullDispatch:
                                 "with kv_role kv_producer?)", stage="prefill", code="no_kv_params")
         return decode_body(job.body, kv), None
 
-    async def _prefill(self, job: Job, plan: Any = None, on_answer: Callable[[Stream], None] | None = None):
+    async def _prefill(self, job: Job, plan: Any = None, on_answer: Callable[[dict], None] | None = None):
         """Run the prefill leg under the failure policy. Returns (P, answer) or (None, None) for
         fallback. `on_answer`: given to each prefill leg (see `prefill_leg`)."""
         env = self.env

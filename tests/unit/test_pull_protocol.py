@@ -172,3 +172,22 @@ async def test_cancelled_between_prefill_answer_and_task_closes_the_started_deco
         assert all(i.in_flight == 0 for i in st.registry)
         m = Scrape((await c.get("/metrics")).text)
         assert m.get("pd_router_orphaned_prefills_total", reason="cancelled") == 1
+
+
+async def test_prefill_answer_that_is_not_json_is_a_502_and_no_decode_leg(tiny_model_path):
+    """P answers 200 with something that is not JSON: the answer callback leaves it to the leg,
+    which turns it into the client's 502; no decode leg, nothing orphaned, nothing leased."""
+    from launch.fake_engine import Fault
+    from tests.unit.metricskit import Scrape
+
+    async with topology(tiny_model_path) as (c, url, ps, ds, app):
+        ps[0].fault = Fault(garbage=True, legs={"prefill"})
+        for stream in (True, False):
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": LONG, "max_tokens": 2,
+                                                      "stream": stream})
+            assert r.status_code == 502, r.text
+            assert r.json()["error"]["message"] == "prefill instance answered with invalid JSON"
+        assert completion_legs(ds[0]) == []
+        assert all(i.in_flight == 0 for i in app.state.pdr.registry)
+        m = Scrape((await c.get("/metrics")).text)
+        assert m.total("pd_router_orphaned_prefills_total") == 0
