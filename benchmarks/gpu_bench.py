@@ -32,7 +32,6 @@ import os
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -61,6 +60,7 @@ class Engine:
     side_port: int | None = None
     engine_id: str | None = None
     env: dict = field(default_factory=dict)
+    kv_bytes: int | None = None  # KV cache size (None: --kv-bytes)
     proc: subprocess.Popen | None = None
     log_path: str = ""
     ready_s: float | None = None
@@ -83,7 +83,7 @@ ENGINES = {
 def engine_cmd(e: Engine, a) -> tuple[list[str], dict]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", a.model,
            "--served-model-name", a.served_name, "--host", "127.0.0.1", "--port", str(e.port),
-           "--gpu-memory-utilization", str(a.gpu_util), "--kv-cache-memory-bytes", str(a.kv_bytes),
+           "--gpu-memory-utilization", str(a.gpu_util), "--kv-cache-memory-bytes", str(e.kv_bytes or a.kv_bytes),
            "--max-model-len", str(a.max_model_len), "--dtype", "bfloat16"]
     cmd += a.engine_args.split() if a.engine_args else []
     env = dict(os.environ)
@@ -210,7 +210,7 @@ def start_router(setup: str, engines: list[Engine], a, port: int) -> tuple[subpr
 class Prompts:
     """Prompts of a chosen token length, cut from a tokenized corpus (stdlib sources)."""
 
-    def __init__(self, model: str, seed: int):
+    def __init__(self, model: str, seed: int, max_chars: int | None = None):
         from transformers import AutoTokenizer  # noqa: PLC0415
         import sysconfig  # noqa: PLC0415
         self.tok = AutoTokenizer.from_pretrained(model)
@@ -225,7 +225,7 @@ class Prompts:
                 pass
         if not text:
             text = [" ".join(f"word{i % 997} value{i % 61}" for i in range(200000))]
-        self.ids = self.tok("\n".join(text), add_special_tokens=False)["input_ids"]
+        self.ids = self.tok("\n".join(text)[:max_chars], add_special_tokens=False)["input_ids"]
         self.rng = random.Random(seed)
         log(f"prompt corpus: {len(self.ids)} tokens")
 
@@ -668,7 +668,6 @@ async def amain(a) -> int:
                 write_report(res, a.out)
                 # ---- load
                 S["load"] = []
-                left_setups = len(setups) - si
                 m2 = await scrape(session, dec.url)
                 p2 = await scrape(session, pre.url) if pre else {}
                 # one load duration for all of this setup's rates, sized so that the later setups get

@@ -125,6 +125,8 @@ class _Conn(asyncio.Protocol):
 
 
 class LoadGen:
+    conn_class: type | None = None  # a `_Conn` subclass (None: this module's `_Conn`, looked up per call)
+
     def __init__(self, url: str, *, prompt_chars: int = 1000, max_tokens: int = 64,
                  model: str = "tiny", chat: bool = False, n_bodies: int = 512, seed: int = 0,
                  timeout: float = 60.0, unique: bool = False):
@@ -149,6 +151,10 @@ class LoadGen:
         body = {"model": self._model, "max_tokens": self.max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
         body.update({"messages": [{"role": "user", "content": text}]} if self._chat else {"prompt": text})
+        return self.frame(body)
+
+    def frame(self, body: dict) -> bytes:
+        """The whole HTTP request for a JSON body (sent as is by `one(req=...)`)."""
         raw = json.dumps(body).encode()
         return (b"POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json"
                 b"\r\ncontent-length: %d\r\n\r\n%s" % (
@@ -156,15 +162,19 @@ class LoadGen:
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(_Conn, self.host, self.port)
+        _, conn = await loop.create_connection(self.conn_class or _Conn, self.host, self.port)
         return conn
 
-    async def one(self, t_start: float | None = None) -> Result:
+    async def one(self, t_start: float | None = None, req: bytes | None = None,
+                  timeout: float | None = None) -> Result:
+        """One request: `req` (from `frame`) or the next of this generator's own prompts; an
+        answer not complete within `timeout` s (default: the generator's) is an error and its
+        connection is closed."""
+        timeout = self.timeout if timeout is None else timeout
         res = Result(time.perf_counter() if t_start is None else t_start)
-        if self.unique:
-            req = self._request(f"{self._salt}-{self._next:09d} ")
-        else:
-            req = self.requests[self._next % len(self.requests)]
+        if req is None:
+            req = (self._request(f"{self._salt}-{self._next:09d} ") if self.unique
+                   else self.requests[self._next % len(self.requests)])
         self._next += 1
         try:
             while self.idle and self.idle[-1].closed:
@@ -174,9 +184,9 @@ class LoadGen:
             res.error, res.t_end = f"connect: {e!r}", time.perf_counter()
             return res
         try:
-            await asyncio.wait_for(conn.send(req, res), self.timeout)
+            await asyncio.wait_for(conn.send(req, res), timeout)
         except TimeoutError:
-            res.error, res.t_end = f"no complete answer in {self.timeout:g} s", time.perf_counter()
+            res.error, res.t_end = f"no complete answer in {timeout:g} s", time.perf_counter()
             conn.transport.abort()
             return res
         if res.error is None:
