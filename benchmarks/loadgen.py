@@ -125,7 +125,7 @@ class _Conn(asyncio.Protocol):
 
 
 class LoadGen:
-    conn_class: type | None = None  # a `_Conn` subclass (None: this module's `_Conn`, looked up per call)
+    conn_class: type = _Conn  # the connection protocol (benchmarks.vllm_loadgen sets a subclass)
 
     def __init__(self, url: str, *, prompt_chars: int = 1000, max_tokens: int = 64,
                  model: str = "tiny", chat: bool = False, n_bodies: int = 512, seed: int = 0,
@@ -162,7 +162,7 @@ class LoadGen:
 
     async def _connect(self) -> _Conn:
         loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(self.conn_class or _Conn, self.host, self.port)
+        _, conn = await loop.create_connection(self.conn_class, self.host, self.port)
         return conn
 
     async def one(self, t_start: float | None = None, req: bytes | None = None,

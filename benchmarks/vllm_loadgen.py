@@ -39,7 +39,7 @@ class UsageCountingConn(loadgen._Conn):
 
 
 def main(argv: list[str] | None = None) -> None:
-    loadgen._Conn = UsageCountingConn  # LoadGen._connect looks the class up in its module
+    loadgen.LoadGen.conn_class = UsageCountingConn
     loadgen.main(argv)
 
 
