@@ -11,6 +11,13 @@ the router, and reports the differences. Traffic kinds:
 - direct: ``serve --mode pull --threshold 100000``: every prompt is below the threshold, so
           the router sends it to one engine (direct-route traffic).
 - engine: no router; both runs go straight to the engine (an A/A check of the harness noise).
+- vllm-router-pull, vllm-router-direct: the same loads through the Rust router the issue
+          measures pd-router against (``--peer-cmd``, default ``vllm-router``: ``pip install
+          vllm-router``; a benchmark tool only, not a pd-router dependency), started as
+          ``--vllm-pd-disaggregation --prefill P --decode D`` (NIXL pull: P with
+          ``do_remote_decode``, then D with P's KV params) and as ``--worker-urls D`` (every
+          request to the one engine). Both with ``--policy round_robin`` and pinned like
+          pd-router; it does not tokenize prompts (pd-router does, for its threshold).
 
     PYTHONPATH=. python -m benchmarks.bench_router --quick
     PYTHONPATH=. python -m benchmarks.bench_router --modes pull,push,direct \
@@ -31,6 +38,7 @@ from benchmarks import harness, report
 
 THRESHOLD = {"pull": 1, "push": 1, "direct": 100_000}
 ROUTER_MODE = {"pull": "pull", "push": "push", "direct": "pull"}
+PEER_MODES = ("vllm-router-pull", "vllm-router-direct")
 P_ENGINE_ID, D_ENGINE_ID, P_KV_PORT = "fake-p0", "fake-d0", 5600
 
 
@@ -44,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n", 1)[1])
     p.add_argument("--modes", default="pull,push,direct",
-                   help="comma-separated from pull, push, direct, engine")
+                   help="comma-separated from pull, push, direct, engine, vllm-router-pull, "
+                        "vllm-router-direct")
     p.add_argument("--concurrency", default="1,64,256", help="closed-loop points ('' for none)")
     p.add_argument("--rate", default="", help="open-loop points, requests/s")
     p.add_argument("--duration", type=float, default=None, help="seconds per run (10; quick 2)")
@@ -61,6 +70,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="HF tokenizer dir for the router (default: launch.tiny_model)")
     p.add_argument("--router-cmd", default=f"{shlex.quote(sys.executable)} -m router.cli",
                    help="command that accepts 'serve ...' (e.g. pd-router)")
+    p.add_argument("--peer-cmd", default="vllm-router",
+                   help="the Rust router's command for the vllm-router-* modes")
     p.add_argument("--router-core", type=int, default=0)
     p.add_argument("--engine-core", type=int, default=1, help="fakes and load generator")
     p.add_argument("--no-pin", action="store_true", help="do not use taskset")
@@ -91,6 +102,16 @@ def find_tokenizer(explicit: str | None) -> str | None:
     return str(ensure_tiny_model())
 
 
+def peer_argv(peer_cmd: list[str], *, mode: str, prefill: str, decode: str, port: int) -> list[str]:
+    """vllm-router's command line for one of PEER_MODES."""
+    argv = [*peer_cmd, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+            "--log-level", "warning", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(harness.free_port())]
+    if mode == "vllm-router-pull":
+        return argv + ["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode]
+    return argv + ["--worker-urls", decode]
+
+
 def run_mode(mode: str, a: argparse.Namespace, fakes: harness.Proc, p_url: str, d_url: str,
              tokenizer: str | None, logdir: Path) -> dict:
     router = None
@@ -102,9 +123,13 @@ def run_mode(mode: str, a: argparse.Namespace, fakes: harness.Proc, p_url: str, 
             prefill += (f"?engine_id={P_ENGINE_ID}&kv_host=127.0.0.1&kv_port={P_KV_PORT}"
                         "&tp=1&pp=1")
         port = harness.free_port()
-        argv = harness.router_argv(shlex.split(a.router_cmd), mode=ROUTER_MODE[mode],
-                                   threshold=THRESHOLD[mode], prefill=prefill, decode=d_url,
-                                   tokenizer=tokenizer, port=port)
+        if mode in PEER_MODES:
+            argv = peer_argv(shlex.split(a.peer_cmd), mode=mode, prefill=p_url, decode=d_url,
+                             port=port)
+        else:
+            argv = harness.router_argv(shlex.split(a.router_cmd), mode=ROUTER_MODE[mode],
+                                       threshold=THRESHOLD[mode], prefill=prefill, decode=d_url,
+                                       tokenizer=tokenizer, port=port)
         try:
             router = harness.start_router(argv, core=a.router_core, logdir=logdir, name=mode)
         except RuntimeError as e:
@@ -150,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     logdir = a.logdir or Path(tempfile.mkdtemp(prefix="bench-router-"))
     logdir.mkdir(parents=True, exist_ok=True)
     tokenizer = None
-    if any(m != "engine" for m in a.modes):
+    if any(m not in ("engine", *PEER_MODES) for m in a.modes):
         tokenizer = find_tokenizer(a.tokenizer)
         if tokenizer is None:
             print("warning: no --tokenizer and launch.tiny_model is not available; "
@@ -166,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_s": a.warmup, "prompt_chars": a.prompt_chars, "max_tokens": a.max_tokens,
         "prefill_us_per_char": a.prefill_us_per_char, "itl_ms": a.itl_ms,
         "router_core": a.router_core, "engine_core": a.engine_core, "router_cmd": a.router_cmd,
+        "peer_cmd": a.peer_cmd if any(m in PEER_MODES for m in a.modes) else None,
         "tokenizer": tokenizer, "unique_prompts": a.unique_prompts, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }, "modes": {}}
     try:

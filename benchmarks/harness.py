@@ -247,11 +247,15 @@ STAGES = {"pd_router_tokenize_seconds": "tokenize", "pd_router_prefill_leg_secon
 
 def router_stages(url: str) -> dict[str, tuple[float, float]]:
     """(sum, count) of the router's stage histograms (all label sets together), from its
-    /metrics: the run's mean per stage is the difference of two scrapes (warm-up included)."""
+    /metrics: the run's mean per stage is the difference of two scrapes (warm-up included);
+    {} when the router answers /metrics with an HTTP error."""
     from prometheus_client.parser import text_string_to_metric_families
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
     out: dict[str, tuple[float, float]] = {}
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except urllib.error.HTTPError:  # a router with no /metrics here (vllm-router serves it elsewhere)
+        return out
     for fam in text_string_to_metric_families(text):
         name = STAGES.get(fam.name)
         if name is None:

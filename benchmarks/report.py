@@ -12,6 +12,8 @@ MODE_LABELS = {
     "push": "push (NIXL WRITE)",
     "direct": "direct-route (below threshold)",
     "engine": "engine only (harness check)",
+    "vllm-router-pull": "vllm-router (Rust) pull",
+    "vllm-router-direct": "vllm-router (Rust) direct",
 }
 
 

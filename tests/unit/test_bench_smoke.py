@@ -166,3 +166,46 @@ def test_router_stages_and_steal_come_from_real_sources():
     assert got["tokenize"] == (pytest.approx(0.0001), 1.0)
     steal = harness.steal_ticks()
     assert steal and all(k.startswith("cpu") and v >= 0 for k, v in steal.items())
+
+
+def test_router_stages_of_a_router_without_metrics_here_is_empty():
+    """vllm-router serves /metrics on its own port: its /metrics on the API port is a 404,
+    which gives no stage means instead of failing the run."""
+    import http.server
+    import threading
+
+    from benchmarks import harness
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        assert harness.router_stages(f"http://127.0.0.1:{srv.server_address[1]}") == {}
+    finally:
+        srv.shutdown()
+
+
+def test_peer_router_command_lines():
+    """The Rust router's two setups: NIXL pull P/D with the bench's engines, and every request
+    to the decode engine; its Prometheus listener on a port of its own."""
+    from benchmarks import bench_router
+
+    pull = bench_router.peer_argv(["vllm-router"], mode="vllm-router-pull", prefill="http://p",
+                                  decode="http://d", port=9000)
+    direct = bench_router.peer_argv(["vllm-router"], mode="vllm-router-direct", prefill="http://p",
+                                    decode="http://d", port=9000)
+    for argv in (pull, direct):
+        assert argv[:5] == ["vllm-router", "--host", "127.0.0.1", "--port", "9000"]
+        assert argv[argv.index("--policy") + 1] == "round_robin"
+        assert int(argv[argv.index("--prometheus-port") + 1]) not in (0, 9000)
+    assert pull[-5:] == ["--vllm-pd-disaggregation", "--prefill", "http://p", "--decode", "http://d"]
+    assert direct[-2:] == ["--worker-urls", "http://d"] and "--prefill" not in direct
+    a = bench_router.parse_args(["--modes", "vllm-router-pull,vllm-router-direct", "--quick"])
+    assert a.modes == ["vllm-router-pull", "vllm-router-direct"] and a.peer_cmd == "vllm-router"
