@@ -161,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
 def serve(settings: Settings) -> int:
     import uvicorn
 
-    from router.tokenizer import block_torch
+    from router.tokenizer import block_torch, local_path_problem
 
+    problem = local_path_problem(settings.tokenizer)
+    if problem:  # every request above the length bounds would fail: say so now, not per request
+        print(f"pd-router serve: --tokenizer {problem}", file=sys.stderr)
+        return 2
     block_torch()
     from router.app import create_app
     from router.logs import setup_logging

@@ -7,6 +7,7 @@
     ├── Unauthorized                  401    authentication_error
     ├── Overloaded                    429    rate_limit_error (Retry-After)
     ├── NoInstance                    503    service_unavailable
+    ├── TokenizerUnavailable          503    service_unavailable (code tokenizer_unavailable)
     └── UpstreamError                 502    upstream_error (stage: prefill|decode)
         ├── UpstreamTimeout           504    timeout
         └── UpstreamStatus            the engine's status, the engine's body
@@ -87,6 +88,14 @@ class NoInstance(RouterError):
     status = 503
     type = "service_unavailable"
     code = "no_instance"
+
+
+class TokenizerUnavailable(RouterError):
+    """The router cannot count prompt tokens: its tokenizer failed to load (retried on the next
+    request that needs it)."""
+    status = 503
+    type = "service_unavailable"
+    code = "tokenizer_unavailable"
 
 
 class UpstreamError(RouterError):

@@ -33,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from router.errors import BadRequest
+from router.errors import BadRequest, TokenizerUnavailable
 
 log = logging.getLogger("pd_router.tokenizer")
 INLINE_CHARS = 2048  # prompts up to this many characters are counted on the event loop
@@ -124,7 +124,8 @@ class TokenCounter:
             self._loading = None
             self._load_error = f"{type(exc).__name__}: {exc}"
             log.error("cannot load tokenizer %r: %s", self._source, self._load_error)
-            raise
+            raise TokenizerUnavailable(f"the router cannot load its tokenizer {self._source!r} "
+                                       f"({self._load_error})") from exc
 
     def bounds(self, kind: str, body: dict[str, Any]) -> tuple[int, int] | None:
         """(lower, upper) bounds of `count(kind, body)` from the prompt's UTF-8 length alone,
@@ -194,7 +195,25 @@ def _load(source: str):
         return tok
 
 
+def local_path_problem(source: str | None) -> str | None:
+    """Why `source`, written as a local path (absolute, ./, ../ or ~), cannot be a tokenizer
+    directory; None for a path that exists and for anything else (a hub name, resolved from
+    the local cache when loaded)."""
+    if not source or not (os.path.isabs(source) or source.startswith((".", "~"))):
+        return None
+    path = os.path.expanduser(source)
+    if not os.path.exists(path):
+        return f"{source}: no such file or directory"
+    if not os.path.isdir(path):
+        return f"{source}: not a directory (a tokenizer is a model directory with tokenizer files)"
+    return None
+
+
 def _load_uncached(source: str):
+    problem = local_path_problem(source)
+    if problem:
+        raise FileNotFoundError(problem)
+    source = os.path.expanduser(source)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from transformers import AutoTokenizer  # heavy import, done in a worker thread

@@ -84,3 +84,20 @@ def test_imports_resolve_to_this_distribution():
     from pathlib import Path
     root = Path(router.__file__).resolve().parents[1]
     assert (root / "pyproject.toml").exists() and 'name = "pd-router"' in (root / "pyproject.toml").read_text()
+
+
+def test_serve_refuses_a_tokenizer_path_that_does_not_exist(tmp_path, capsys):
+    """`serve --tokenizer <missing path>` exits at once with the reason, before it listens."""
+    from router import cli
+    from router.tokenizer import local_path_problem
+
+    missing = tmp_path / "nope"
+    assert cli.main(["serve", "--tokenizer", str(missing), "--decode", "http://127.0.0.1:9"]) == 2
+    assert f"--tokenizer {missing}: no such file or directory" in capsys.readouterr().err
+    a_file = tmp_path / "tokenizer.json"
+    a_file.write_text("{}")
+    assert "not a directory" in local_path_problem(str(a_file))
+    assert local_path_problem(str(tmp_path)) is None  # exists: loading decides the rest
+    assert local_path_problem("Qwen/Qwen2.5-0.5B") is None  # a hub name: resolved from the cache
+    assert local_path_problem(None) is None
+    assert "no such file" in local_path_problem("~/surely-not-a-model-dir-pdr")

@@ -182,3 +182,27 @@ def test_finished_at_first_token():
     assert finished_at_first_token({"choices": [{"finish_reason": "stop", "text": ""}]})
     assert not finished_at_first_token({"choices": [{"finish_reason": "length", "text": "x"}]})
     assert not finished_at_first_token({"choices": []})
+
+
+async def test_a_tokenizer_that_cannot_load_is_a_503_that_names_it(tmp_path):
+    """A tokenizer path that does not exist: every request that needs a count gets a 503
+    service_unavailable naming the path and the reason (not a 500 "internal router error"),
+    nothing reaches an engine, /health shows the same reason, and the next request tries again."""
+    missing = tmp_path / "no-such-model"
+    async with topology(missing) as (c, url, ps, ds, app):
+        for path, body in (("/v1/completions", {"prompt": LONG}),
+                           ("/v1/completions", {"prompt": SHORT, "stream": True}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]})):
+            r = await c.post(path, json={"model": "tiny", "max_tokens": 5, **body})
+            assert_openai_error(r, 503)
+            err = r.json()["error"]
+            assert (err["type"], err["code"]) == ("service_unavailable", "tokenizer_unavailable")
+            assert str(missing) in err["message"] and "no such file or directory" in err["message"]
+        assert not completion_legs(ps[0]) and not completion_legs(ds[0])
+        health = (await c.get("/health")).json()
+        assert "no such file or directory" in health["tokenizer"]["error"]
+        missing.mkdir()  # still not a tokenizer: the next request loads again and says why
+        r = await c.post("/v1/completions", json={"model": "tiny", "max_tokens": 5, "prompt": LONG})
+        assert_openai_error(r, 503)
+        assert "no such file or directory" not in r.json()["error"]["message"]
+        assert str(missing) in r.json()["error"]["message"]
