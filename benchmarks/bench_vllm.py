@@ -9,6 +9,9 @@ Setups, measured one after another (at most two vLLM instances alive at a time):
 - ``push``: the router, ``--mode push``, threshold 1, NixlPushConnector prefill + decode (d).
 - ``pdr``: the router, ``--mode push``, threshold 1, pd-router's own connector
   (``transport.connector.PdrPushConnector``, ``--pdr-transport``, default cma) prefill + decode (e).
+- with ``--peer-cmd vllm-router``: the Rust vllm-router in front of the same engines, measured
+  right after pd-router at every load point: one worker (the mono instance) beside (b), as (b'),
+  and NIXL pull (``--vllm-pd-disaggregation``) beside (c), as (c').
 
 Placement (2-core host, as tests/integration/conftest.py): decode-capable instances (the mono
 instance and both decode instances) bind the LAST core, prefill instances the first (push hangs
@@ -45,6 +48,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -58,11 +62,13 @@ from launch.local import Launcher, Process, free_ports
 from launch.tiny_model import SERVED_NAME, ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-SETUPS = ("mono", "router-direct", "pull", "push", "pdr")
+SETUPS = ("mono", "router-direct", "vr-direct", "pull", "vr-pull", "push", "pdr")
 LABELS = {
     "mono": "(a) mono, no router",
     "router-direct": "(b) router direct route",
+    "vr-direct": "(b') vllm-router (Rust), one worker",
     "pull": "(c) router pull (NIXL)",
+    "vr-pull": "(c') vllm-router (Rust) pull (NIXL)",
     "push": "(d) router push (NIXL push)",
     "pdr": "(e) router push (pdr connector)",
 }
@@ -245,6 +251,18 @@ class Bench:
         wait_router(proc, url)
         return proc, url
 
+    def start_peer(self, mode: str, prefill: str, decode: str):
+        """The Rust vllm-router (``--peer-cmd``) in front of the same engines: ``mode`` is
+        bench_router's vllm-router-direct or vllm-router-pull."""
+        from benchmarks.bench_router import peer_argv
+
+        (port,) = free_ports(1)
+        argv = peer_argv(shlex.split(self.args.peer_cmd), mode=mode, prefill=prefill, decode=decode, port=port)
+        proc = self.launcher.start_command(mode, argv)
+        url = f"http://127.0.0.1:{port}"
+        wait_router(proc, url)
+        return proc, url
+
     def warm(self, url: str) -> None:
         for target, chars in self.args.prompt_plan:
             for _ in range(2):
@@ -276,16 +294,24 @@ class Bench:
     def phase_mono(self) -> None:
         (mono,) = self.start_engines("mono", [self.spec("mono", role="both")])
         router, rurl = self.start_router("router-direct", "pull", 10**9, [], [mono.url])
+        peer = self.start_peer("vllm-router-direct", "", mono.url) if self.args.peer_cmd else None
         self.warm(mono.url)
         self.warm(rurl)
         self.check("mono", mono.url)
         self.check("router-direct", rurl)
+        if peer is not None:
+            self.warm(peer[1])
+            self.check("vr-direct", peer[1])
         before = prompt_token_sources(mono.url)
         for target, chars in self.args.prompt_plan:
             for rate in self.args.rates:
                 self.measure("mono", mono.url, [mono.url], target, chars, rate)
                 self.measure("router-direct", rurl, [mono.url], target, chars, rate)
+                if peer is not None:
+                    self.measure("vr-direct", peer[1], [mono.url], target, chars, rate)
         self.results["sources"]["mono"] = {"decode": delta(prompt_token_sources(mono.url), before)}
+        if peer is not None:
+            self.launcher.stop(peer[0])
         self.launcher.stop(router)
         self.launcher.stop(mono.process)
 
@@ -306,14 +332,22 @@ class Bench:
         mode = ROUTER_MODE[setup]
         purl = push_prefill_url(p.spec) if mode == "push" else p.url
         router, rurl = self.start_router(f"router-{setup}", mode, 1, [purl], [d.url])
+        peer = None
         try:
+            if setup == "pull" and self.args.peer_cmd:
+                peer = self.start_peer("vllm-router-pull", p.url, d.url)
             self.warm(rurl)
             self.check(setup, rurl)
+            if peer is not None:
+                self.warm(peer[1])
+                self.check("vr-pull", peer[1])
             before_d, before_p = prompt_token_sources(d.url), prompt_token_sources(p.url)
             xfer_p, xfer_d = connector_metrics(p.url), connector_metrics(d.url)
             for target, chars in self.args.prompt_plan:
                 for rate in self.args.rates:
                     self.measure(setup, rurl, [p.url, d.url], target, chars, rate)
+                    if peer is not None:
+                        self.measure("vr-pull", peer[1], [p.url, d.url], target, chars, rate)
             self.results["sources"][setup] = {
                 "decode": delta(prompt_token_sources(d.url), before_d),
                 "prefill": delta(prompt_token_sources(p.url), before_p),
@@ -322,6 +356,8 @@ class Bench:
             self.results["connector"][setup] = {"prefill": fdelta(connector_metrics(p.url), xfer_p),
                                                 "decode": fdelta(connector_metrics(d.url), xfer_d)}
         finally:
+            if peer is not None:
+                self.launcher.stop(peer[0])
             self.launcher.stop(router)
             self.launcher.stop(d.process)
             self.launcher.stop(p.process)
@@ -415,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setups", default="mono,pull,push", help="phases to run: mono (a and b), pull, push, pdr")
     ap.add_argument("--reference", default=None, help="setup the ratio columns divide by "
                     "(default mono when it runs, else the first of --setups)")
+    ap.add_argument("--peer-cmd", default=None,
+                    help="also measure the Rust vllm-router (this command, e.g. vllm-router) in front of "
+                         "the same engines: one worker beside (b), NIXL pull beside (c)")
     ap.add_argument("--pdr-transport", default="cma", help="transport of the pdr setup's connector")
     ap.add_argument("--wait-load", type=float, default=0.0, help="first wait until the 1-min load is below this")
     ap.add_argument("--wait-load-max", type=float, default=900.0)

@@ -164,7 +164,7 @@ def serve(settings: Settings) -> int:
     from router.tokenizer import block_torch, local_path_problem
 
     problem = local_path_problem(settings.tokenizer)
-    if problem:  # every request above the length bounds would fail: say so now, not per request
+    if problem:  # every request that needs a token count would fail: say so now, not per request
         print(f"pd-router serve: --tokenizer {problem}", file=sys.stderr)
         return 2
     block_torch()

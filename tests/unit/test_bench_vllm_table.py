@@ -43,3 +43,15 @@ def test_ratios_to_another_reference_setup():
                                  "decode": {"vllm:pdr_kv_received_bytes_total": 4096.0}}}}
     text = summary(res, "pdr")
     assert "pdr_kv_sent_bytes_total=4096" in text and "pdr_kv_received_bytes_total=4096" in text
+
+
+def test_the_rust_router_rows_sit_beside_pd_routers():
+    """--peer-cmd rows: vllm-router with one worker right after (b), its NIXL pull right after (c),
+    both as ratios to mono like every other row."""
+    points = [_point(s, t) for s, t in (("vr-pull", 28.0), ("pull", 30.0), ("vr-direct", 21.0),
+                                        ("router-direct", 22.0), ("mono", 20.0))]
+    lines = table(points).splitlines()
+    setups = [line.split(" | ")[2] for line in lines[2:]]
+    assert setups == [LABELS[s] for s in ("mono", "router-direct", "vr-direct", "pull", "vr-pull")]
+    rows = {r.split(" | ")[2]: r.split(" | ") for r in lines[2:]}
+    assert rows[LABELS["vr-direct"]][10] == "1.05x" and rows[LABELS["vr-pull"]][10] == "1.40x"
