@@ -266,6 +266,7 @@ class TestPdrPushDecodeLimits:
 
     TRANSPORT = TRANSPORT
     DECODE_ARGS = ("--block-size", "64", "--max-num-seqs", "1")
+    BUSY = 3  # requests that keep D's one sequence slot busy in the unscheduled-abort test
     EXTRA = {"lease_s": 600, "push_timeout_s": 600}
 
     def test_block_size_mismatch_fails_at_first_contact(self, stack):
@@ -305,16 +306,21 @@ class TestPdrPushDecodeLimits:
             "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": s.engine_id,
             "remote_host": s.kv_host, "remote_port": s.kv_port, "remote_request_id": rid, "tp_size": 1}}
         # The P leg first: P then holds the finished prefill's blocks for the push (600 s lease),
-        # and the busy request only has to outlast the few steps until the D leg is queued (on a
-        # loaded machine a P leg sent after it could take longer than its 2,000 tokens).
+        # and the busy requests only have to outlast the few steps until the D leg is queued (on
+        # a loaded machine a P leg sent after them could take longer than their tokens).
         r = httpx.post(p.url + "/v1/completions", json=pbody, headers={"X-Request-Id": rid}, timeout=120)
         assert r.status_code == 200, r.text
         assert _gauge(p.url, "vllm:kv_cache_usage_perc") > 0, "P must hold the finished prefill's blocks"
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            fut = pool.submit(httpx.post, d.url + "/v1/completions", json=busy, timeout=600)
+        # BUSY requests at once: one runs, the others wait, and the D leg queues behind them. One
+        # alone (2,000 tokens) ended within 3 s on a fast host before a /metrics poll of D's busy
+        # API server saw it running; several keep the slot busy that many times as long.
+        with concurrent.futures.ThreadPoolExecutor(self.BUSY) as pool:
+            futs = [pool.submit(httpx.post, d.url + "/v1/completions", json=busy, timeout=600)
+                    for _ in range(self.BUSY)]
+            busy_left = lambda: sum(not f.done() for f in futs)  # noqa: E731
             t0 = time.monotonic()
             while _gauge(d.url, "vllm:num_requests_running") < 1:
-                assert time.monotonic() - t0 < 60 and not fut.done(), "the busy request did not start"
+                assert time.monotonic() - t0 < 60 and busy_left(), "the busy requests did not start"
                 time.sleep(0.05)
             host, port = d.url.removeprefix("http://").split(":")
             raw = json.dumps(dbody).encode()
@@ -323,16 +329,18 @@ class TestPdrPushDecodeLimits:
                              b"X-Request-Id: " + rid.encode() + b"\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
                 t0 = time.monotonic()
-                while _gauge(d.url, "vllm:num_requests_waiting") < 1:
-                    assert time.monotonic() - t0 < 30, "the D leg never queued"
+                # waiting = the busy ones left but the running one, plus the D leg once it is queued
+                while _gauge(d.url, "vllm:num_requests_waiting") < busy_left():
+                    assert time.monotonic() - t0 < 30 and busy_left(), "the D leg never queued"
                     time.sleep(0.05)
                 queued_behind_busy = (_gauge(d.url, "vllm:num_requests_running") == 1
-                                      and _gauge(d.url, "vllm:kv_cache_usage_perc") > 0 and not fut.done())
-            assert queued_behind_busy, "the busy request ended first: the D leg may have been scheduled"
+                                      and _gauge(d.url, "vllm:kv_cache_usage_perc") > 0 and busy_left() > 0)
+            assert queued_behind_busy, "the busy requests ended first: the D leg may have been scheduled"
             t0 = time.monotonic()
             while _gauge(p.url, "vllm:kv_cache_usage_perc") > 0:
                 assert time.monotonic() - t0 < 60, "P kept the blocks of a decode aborted before scheduling"
                 time.sleep(0.5)
             d_log = d.process.log_path.read_text(errors="replace")
             assert f"that unscheduled cmpl-{rid}-0 was cancelled: dropped" in d_log
-            fut.result()
+            for f in futs:
+                assert f.result().status_code == 200
