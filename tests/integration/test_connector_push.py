@@ -161,6 +161,17 @@ def _gauge(url: str, name: str) -> float:
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
 
 
+def _gauges(url: str, *names: str) -> dict[str, float]:
+    """Several gauges from one scrape: one consistent snapshot of the engine's last step."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = dict.fromkeys(names, 0.0)
+    for f in text_string_to_metric_families(text):
+        for smp in f.samples:
+            if smp.name in out:
+                out[smp.name] += smp.value
+    return out
+
+
 def _idle(url: str) -> bool:
     return (_gauge(url, "vllm:num_requests_running") == 0 and _gauge(url, "vllm:num_requests_waiting") == 0
             and _gauge(url, "vllm:kv_cache_usage_perc") == 0)
@@ -318,9 +329,14 @@ class TestPdrPushDecodeLimits:
             futs = [pool.submit(httpx.post, d.url + "/v1/completions", json=busy, timeout=600)
                     for _ in range(self.BUSY)]
             busy_left = lambda: sum(not f.done() for f in futs)  # noqa: E731
+            names = ("vllm:num_requests_running", "vllm:num_requests_waiting")
             t0 = time.monotonic()
-            while _gauge(d.url, "vllm:num_requests_running") < 1:
-                assert time.monotonic() - t0 < 60 and busy_left(), "the busy requests did not start"
+            while True:  # all of them in D before the D leg: it must queue behind them, not between
+                g = _gauges(d.url, *names)
+                if g[names[0]] + g[names[1]] >= busy_left() == self.BUSY:
+                    break
+                assert time.monotonic() - t0 < 60 and busy_left() == self.BUSY, \
+                    f"the busy requests did not all reach D: {g}, {busy_left()} not answered"
                 time.sleep(0.05)
             host, port = d.url.removeprefix("http://").split(":")
             raw = json.dumps(dbody).encode()
@@ -328,19 +344,31 @@ class TestPdrPushDecodeLimits:
                 sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                              b"X-Request-Id: " + rid.encode() + b"\r\n"
                              b"Content-Length: %d\r\n\r\n" % len(raw) + raw)
-                t0 = time.monotonic()
-                # waiting = the busy ones left but the running one, plus the D leg once it is queued
-                while _gauge(d.url, "vllm:num_requests_waiting") < busy_left():
-                    assert time.monotonic() - t0 < 30 and busy_left(), "the D leg never queued"
+                # One scrape per poll (three separate ones could straddle a busy request's end, when
+                # a step reports 0 running). Queued: D's waiting count is the busy requests the
+                # client still waits for, less the running one, plus the D leg. Behind a whole busy
+                # request: at least one busy request waits ahead of it (FCFS, one sequence slot), so
+                # the D leg cannot be scheduled before that one has run all its 2,000 tokens.
+                t0, seen = time.monotonic(), []
+                while True:
+                    left = busy_left()
+                    g = _gauges(d.url, *names)
+                    seen.append((left, g[names[0]], g[names[1]]))
+                    if g[names[0]] == 1 and g[names[1]] >= 2 and g[names[1]] >= left:
+                        break
+                    assert time.monotonic() - t0 < 30 and left, \
+                        f"the D leg never queued behind a waiting busy request: (busy left, running, waiting) {seen[-20:]}"
                     time.sleep(0.05)
-                queued_behind_busy = (_gauge(d.url, "vllm:num_requests_running") == 1
-                                      and _gauge(d.url, "vllm:kv_cache_usage_perc") > 0 and busy_left() > 0)
-            assert queued_behind_busy, "the busy requests ended first: the D leg may have been scheduled"
             t0 = time.monotonic()
             while _gauge(p.url, "vllm:kv_cache_usage_perc") > 0:
                 assert time.monotonic() - t0 < 60, "P kept the blocks of a decode aborted before scheduling"
                 time.sleep(0.5)
-            d_log = d.process.log_path.read_text(errors="replace")
-            assert f"that unscheduled cmpl-{rid}-0 was cancelled: dropped" in d_log
+            # D logs P's answer from a pool thread of its busy engine process, which may run after
+            # P has already freed the blocks and reported it: wait for the line, do not race it.
+            line, t0 = f"that unscheduled cmpl-{rid}-0 was cancelled: dropped", time.monotonic()
+            while line not in (d_log := d.process.log_path.read_text(errors="replace")):
+                assert time.monotonic() - t0 < 30, \
+                    f"D never logged P's answer: {[x for x in d_log.splitlines() if rid in x][-5:]}"
+                time.sleep(0.2)
             for f in futs:
                 assert f.result().status_code == 200
