@@ -159,8 +159,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    import uvicorn
-
     from router.tokenizer import block_torch, local_path_problem
 
     problem = local_path_problem(settings.tokenizer)
@@ -170,11 +168,11 @@ def serve(settings: Settings) -> int:
     block_torch()
     from router.app import create_app
     from router.logs import setup_logging
-    from router.server import uvicorn_config
+    from router.server import RouterServer, uvicorn_config
 
     setup_logging(settings.log_level, settings.log_format)
     app = create_app(settings, freeze_gc=True)
-    server = uvicorn.Server(uvicorn_config(app, settings))
+    server = RouterServer(uvicorn_config(app, settings))
     server.run()
     return 0
 

@@ -22,17 +22,15 @@ def tiny_model_path():
 @contextlib.asynccontextmanager
 async def run_router(settings, **overrides):
     """Serve create_app(settings) with uvicorn on a free port; yield (base_url, app)."""
-    import uvicorn
-
     from router.app import create_app
-    from router.server import uvicorn_config
+    from router.server import RouterServer, uvicorn_config
 
     settings = settings.replace(port=free_port(), host="127.0.0.1")
     app = create_app(settings, **overrides)
     # the same server the CLI runs (router/server.py: hot endpoints below ASGI; keep-alive 75 s,
     # not uvicorn's 5 s default that a loaded test machine can race with a pooled client)
     config = uvicorn_config(app, settings, lifespan="on", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    server = RouterServer(config)
     task = asyncio.create_task(server.serve())
     for _ in range(500):
         if server.started:

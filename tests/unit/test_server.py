@@ -522,3 +522,84 @@ async def test_streams_through_the_server_use_the_c_relay(tiny_model_path, monke
         m = (await c.get("/metrics")).text
     assert len(relays) == 2 and all(r.fast_reads >= 10 for r in relays), [r.fast_reads for r in relays]
     assert 'pd_router_output_tokens_total{route="direct"} 20.0' in m
+
+
+async def _plain_app(scope, receive, send):
+    assert scope["type"] == "http"
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _start(server) -> asyncio.Task:
+    task = asyncio.create_task(server.serve())
+    for _ in range(500):
+        if server.started:
+            return task
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    raise RuntimeError("server did not start")
+
+
+def _server(tick_s: float | None = None):
+    import uvicorn
+
+    from launch.local import free_port
+    from router.server import RouterServer
+
+    server = RouterServer(uvicorn.Config(_plain_app, host="127.0.0.1", port=free_port(), log_config=None,
+                                         lifespan="off", timeout_graceful_shutdown=2))
+    if tick_s is not None:
+        server.TICK_S = tick_s
+    return server
+
+
+async def test_router_server_wakes_once_a_second_and_keeps_the_date_header():
+    """uvicorn's own main loop ticks every 0.1 s; the router's once a second, each tick
+    refreshing the Date header (on_tick does when counter % 10 == 0). A loaded machine can
+    only make the ticks fewer, so the upper bound cannot flake."""
+    server = _server()
+    ticks: list[int] = []
+    on_tick = server.on_tick
+
+    async def counting(counter: int) -> bool:
+        ticks.append(counter)
+        return await on_tick(counter)
+
+    server.on_tick = counting
+    task = await _start(server)
+    try:
+        await asyncio.sleep(1.5)
+        n = len(ticks)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.config.port)
+        writer.write(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers, body = await _response(reader)
+        writer.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+    assert 1 <= n <= 3, ticks  # uvicorn.Server: ~15
+    assert all(c % 10 == 0 for c in ticks), ticks
+    assert status == 200 and body == b"ok" and headers["date"].endswith(" GMT"), headers
+
+
+@pytest.mark.parametrize("how", ["signal", "other thread"])
+async def test_router_server_exits_at_once_when_told(how):
+    """Its loop sleeps a whole tick between checks; setting should_exit (uvicorn's signal
+    handler, or the tests' run_router from wherever) must wake it, not wait the tick out: here
+    a tick is an hour, so a missed wake-up fails on the 10 s bound below."""
+    import signal
+    import threading
+
+    server = _server(tick_s=3600.0)
+    task = await _start(server)
+    await asyncio.sleep(0.2)  # main_loop is waiting on its tick
+    if how == "signal":
+        server.handle_exit(signal.SIGTERM, None)
+        server._captured_signals.clear()  # serve() re-raises captured signals when it returns
+    else:
+        t = threading.Thread(target=setattr, args=(server, "should_exit", True))
+        t.start()
+        t.join()
+    await asyncio.wait_for(task, 10)
+    assert server.should_exit
