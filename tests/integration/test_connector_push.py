@@ -156,11 +156,6 @@ class _PushCore:
         assert cd["vllm:pdr_kv_sent_bytes_total"] == 0 and cp["vllm:pdr_kv_received_bytes_total"] == 0
 
 
-def _gauge(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
-
-
 def _gauges(url: str, *names: str) -> dict[str, float]:
     """Several gauges from one scrape: one consistent snapshot of the engine's last step."""
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -172,9 +167,13 @@ def _gauges(url: str, *names: str) -> dict[str, float]:
     return out
 
 
+def _gauge(url: str, name: str) -> float:
+    return _gauges(url, name)[name]
+
+
 def _idle(url: str) -> bool:
-    return (_gauge(url, "vllm:num_requests_running") == 0 and _gauge(url, "vllm:num_requests_waiting") == 0
-            and _gauge(url, "vllm:kv_cache_usage_perc") == 0)
+    g = _gauges(url, "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+    return not any(g.values())
 
 
 class TestPdrPush(_PushCore):
